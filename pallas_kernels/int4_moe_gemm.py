@@ -14,6 +14,12 @@ GROUP = 32  # input rows per scale
 PACK = 8  # nibbles per int32 word
 
 
+def round_to_bf16(v):
+    """Rounds float32 to the nearest bf16 value, kept in float32. Unlike a bf16 round trip through
+    astype, XLA cannot drop it as excess precision under jit."""
+    return jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+
+
 def unpack_int4(packed, axis):
     """int32 words -> int8 values in [-8, 7]; `axis` grows 8x (row 8j+k = nibble k of word j)."""
     if packed.dtype != jnp.int32:
@@ -32,8 +38,8 @@ def dequantize_int4(packed, scale, axis, dtype=jnp.bfloat16):
     axis = axis % q.ndim
     if scale.shape[axis] * GROUP != q.shape[axis] or scale.ndim != q.ndim:
         raise ValueError(f"scale shape {scale.shape} does not match packed {packed.shape} on axis {axis}")
-    scale_full = jnp.repeat(scale.astype(jnp.bfloat16), GROUP, axis=axis)
-    return (q.astype(jnp.bfloat16) * scale_full).astype(dtype)
+    scale_full = jnp.repeat(scale.astype(jnp.float32), GROUP, axis=axis)
+    return round_to_bf16(q.astype(jnp.float32) * scale_full).astype(dtype)
 
 
 def _check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
