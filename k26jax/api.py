@@ -1,0 +1,116 @@
+"""`k26jax.load` and the `Model` users hold: config, parameters on a mesh, kernel choice, optional drafter."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from k26jax import ops, sharding
+from k26jax.config import ModelConfig
+from k26jax.model import target
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@dataclasses.dataclass
+class Model:
+    cfg: ModelConfig
+    params: dict
+    impls: ops.Impls
+    mesh: Mesh | None = None
+    drafter_cfg: object | None = None
+    drafter_params: dict | None = None
+    path: str | None = None
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+    def check_ids(self, token_ids, name="token_ids") -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"{name}: expected an integer array [batch, tokens], got shape {ids.shape} "
+                             f"dtype {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)][0]
+            raise ValueError(f"{name}: id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        return ids.astype(np.int32)
+
+    def logits(self, token_ids, hidden_layer_ids=()) -> jax.Array:
+        """Full causal forward, no cache: int [B,T] -> float32 [B,T,V] (and hidden states when asked)."""
+        ids = self.check_ids(token_ids)
+        lengths = np.full((ids.shape[0],), ids.shape[1], np.int32)
+        logits, _, feats = _prefill_jit(self.params, ids, lengths, self.cfg, self.impls, tuple(hidden_layer_ids))
+        return (logits, feats) if hidden_layer_ids else logits
+
+    def draft_logits(self, context_features, bonus_ids) -> jax.Array:
+        """DFlash drafter, full forward, no cache: [B,Tc,n*D], [B] -> float32 [B, block_size-1, V]."""
+        from k26jax.model import drafter
+        if self.drafter_params is None:
+            raise ValueError("this model was loaded without a drafter (pass drafter=DIR to k26jax.load)")
+        bonus = self.check_ids(np.asarray(bonus_ids).reshape(-1, 1), "bonus_ids")[:, 0]
+        return drafter.draft_logits(self.drafter_params, self.drafter_cfg, self.params["embed"],
+                                    self.params["lm_head"], jnp.asarray(context_features, self.dtype), bonus)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _prefill_jit(params, ids, lengths, cfg, impls, hidden_layer_ids):
+    return target.forward_prefill(params, cfg, ids, lengths, impls, hidden_layer_ids)
+
+
+def place(params: dict, cfg: ModelConfig, mesh: Mesh | None, expert_mode: str) -> dict:
+    """Put a host/device parameter tree onto the mesh (or the default device)."""
+    if mesh is None:
+        return jax.tree.map(jnp.asarray, params)
+    specs = sharding.param_partition_specs(cfg, expert_mode)
+    return jax.device_put(params, sharding.shardings_for(params, specs, mesh))
+
+
+def load(path, *, drafter=None, mesh: Mesh | None = None, dtype: str = "bfloat16", expert_mode: str = "ep",
+         impls: ops.Impls | None = None) -> Model:
+    """Load a target (and optionally a DFlash drafter) from a HF directory or an orbax dir made by `convert`.
+
+    drafter: a directory, or None to use `path/drafter` when it exists, or False for none.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: use one of {tuple(DTYPES)}")
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
+    impls = impls or ops.Impls.auto(mesh, expert_mode)
+    if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+        from convert import hf_layout
+        cfg = ModelConfig.from_hf_dir(path)
+        params = place(hf_layout.read_hf_params(path, cfg, dtype=dtype), cfg, mesh, expert_mode)
+    else:
+        from k26jax import checkpoint
+        cfg, params = checkpoint.restore(path, mesh=mesh, expert_mode=expert_mode, dtype=dtype)
+    model = Model(cfg, params, impls, mesh, path=path)
+    drafter_dir = os.path.join(path, "drafter") if drafter is None else drafter
+    if drafter_dir and os.path.isdir(drafter_dir):
+        _attach_drafter(model, drafter_dir, dtype)
+    elif drafter:
+        raise FileNotFoundError(f"{drafter}: drafter directory does not exist")
+    return model
+
+
+def _attach_drafter(model: Model, drafter_dir: str, dtype: str) -> None:
+    from k26jax.model import drafter as drafter_lib
+    if os.path.isfile(os.path.join(drafter_dir, "config.json")):
+        from convert import dflash_layout
+        dcfg, dparams = dflash_layout.load_drafter_hf(drafter_dir)
+    else:
+        from k26jax import checkpoint
+        dcfg, dparams = checkpoint.restore_drafter(drafter_dir)
+    dcfg.check_target(model.cfg)
+    dparams = jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]) if np.issubdtype(np.asarray(a).dtype,
+                                                                                  np.floating) else a, dparams)
+    if model.mesh is not None:
+        specs = drafter_lib.drafter_partition_specs(dcfg)
+        dparams = jax.device_put(dparams, sharding.shardings_for(dparams, specs, model.mesh))
+    model.drafter_cfg, model.drafter_params = dcfg, dparams

@@ -1,0 +1,83 @@
+"""The one seam between the model/engine and the kernels.
+
+Each op picks `impl="pallas"` (Pallas-Triton, for the GPU) or `impl="reference"` (plain jnp). On a multi-device
+mesh the Pallas forms run under shard_map (heads or experts split over "model"); the reference forms are left to
+XLA's SPMD partitioner. No math lives here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import Mesh
+
+from pallas_kernels import int4_moe_gemm, tree_accept as tree_accept_kernel, tree_build as tree_build_kernel
+from pallas_kernels import tree_mla_attention as mla_kernel
+
+IMPLS = ("pallas", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class Impls:
+    """Which implementation each op uses; hashable, so it can be a static jit argument."""
+
+    moe: str = "reference"
+    attention: str = "reference"
+    tree_build: str = "reference"
+    tree_accept: str = "reference"
+    mesh: Mesh | None = None
+    expert_mode: str = "ep"
+    interpret: bool = False
+
+    def __post_init__(self):
+        for field in ("moe", "attention", "tree_build", "tree_accept"):
+            if getattr(self, field) not in IMPLS:
+                raise ValueError(f"Impls.{field}={getattr(self, field)!r}: use one of {IMPLS}")
+
+    @classmethod
+    def auto(cls, mesh: Mesh | None = None, expert_mode: str = "ep") -> "Impls":
+        """Pallas kernels on the GPU, plain jnp elsewhere."""
+        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+        return cls(impl, impl, impl, impl, mesh=mesh, expert_mode=expert_mode)
+
+    @property
+    def sharded(self) -> bool:
+        return self.mesh is not None and self.mesh.size > 1
+
+
+def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, impls: Impls):
+    """Routed INT4 experts: y [N,D] = sum_k w_k * expert_k(x). See pallas_kernels/int4_moe_gemm.py."""
+    args = (x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    if impls.moe == "reference":
+        return int4_moe_gemm.fused_moe_reference(*args)
+    if impls.sharded:
+        return int4_moe_gemm.fused_moe_sharded(impls.mesh, mode=impls.expert_mode, impl="pallas",
+                                               interpret=impls.interpret)(*args)
+    return int4_moe_gemm.fused_moe(*args, interpret=impls.interpret)
+
+
+def mla_attention(q_lat, q_rope, cache_layer, prefix_len, tail_rows, visibility, *, scale: float, impls: Impls):
+    """Absorbed MLA over a latent-cache prefix plus a tree tail. See pallas_kernels/tree_mla_attention.py."""
+    args = (q_lat, q_rope, cache_layer, prefix_len, tail_rows, visibility)
+    if impls.attention == "reference":
+        return mla_kernel.tree_mla_attention_reference(*args, scale=scale)
+    if impls.sharded:
+        return mla_kernel.tree_mla_attention_sharded(impls.mesh, impl="pallas", interpret=impls.interpret)(
+            *args, scale=scale)
+    return mla_kernel.tree_mla_attention(*args, scale=scale, interpret=impls.interpret)
+
+
+def tree_build(logq, ids, budgets, *, max_budget: int, impls: Impls, **knobs):
+    """Best-first draft tree from per-depth top-K. See pallas_kernels/tree_build.py."""
+    if impls.tree_build == "reference":
+        return tree_build_kernel.tree_build_reference(logq, ids, budgets, max_budget=max_budget, **knobs)
+    return tree_build_kernel.tree_build(logq, ids, budgets, max_budget=max_budget, interpret=impls.interpret,
+                                        **knobs)
+
+
+def tree_accept(tokens, parents, post, num_nodes, *, max_depth: int, impls: Impls):
+    """Longest path whose tokens match the target's choices. See pallas_kernels/tree_accept.py."""
+    if impls.tree_accept == "reference":
+        return tree_accept_kernel.tree_accept_reference(tokens, parents, post, num_nodes, max_depth=max_depth)
+    return tree_accept_kernel.tree_accept(tokens, parents, post, num_nodes, max_depth=max_depth,
+                                          interpret=impls.interpret)
