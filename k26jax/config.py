@@ -376,3 +376,288 @@ def _read_generation_eos(path) -> tuple[int, ...]:
         return ()
     with open(gen) as f:
         return _as_tuple(json.load(f).get("eos_token_id"))
+
+
+# ---- DFlash drafter --------------------------------------------------------------------------------------
+DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_REQUIRED = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterRope:
+    """The drafter's rope, with HF `Qwen3RotaryEmbedding` semantics (rotate-half layout, not K2's interleaved).
+
+    kind "default": inv_freq = theta^(-2i/d). kind "yarn": HF's YaRN blend of interpolated and extrapolated
+    frequencies over the correction range [low, high] (floored/ceiled when `truncate`). cos and sin are
+    multiplied by `attention_factor` (HF's attention_scaling), resolved from attention_factor / mscale /
+    mscale_all_dim / factor exactly as HF does when the config is read.
+    """
+
+    theta: float
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+    def to_hf_scaling(self) -> dict[str, Any] | None:
+        if self.kind == "default":
+            return None
+        out = dict(type="yarn", rope_type="yarn", factor=self.factor,
+                   original_max_position_embeddings=self.original_max_position_embeddings,
+                   beta_fast=self.beta_fast, beta_slow=self.beta_slow, attention_factor=self.attention_factor)
+        if not self.truncate:
+            out["truncate"] = False
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A z-lab DFlash drafter (`DFlashDraftModel`, dflash 0.1.0): Qwen3 layers with KV injection of target features.
+
+    Fields the reference reads from `dflash_config` first, then from the top level: block_size, mask_token_id,
+    target_layer_ids, output_multiplier, final_logit_softcapping, input_embedding_scale. When target_layer_ids is
+    absent it is derived from num_target_layers (`build_target_layer_ids`). Values the reference would honour but
+    k26jax does not (causal or sliding-window attention, biases, other activations, other rope types, DFlash2's
+    convs and selector) raise ConfigError naming the field.
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: DrafterRope
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    mask_token_id: int
+    vocab_size: int | None = None
+    max_position_embeddings: int | None = None
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None   # None: no softcap (the reference skips values <= 0 too)
+    input_embedding_scale: float = 1.0              # multiplies the target's embedding of the block tokens
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def context_dim(self) -> int:
+        """Width of the context features: hidden states of len(target_layer_ids) target layers, concatenated."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def validate(self, source: str = "drafter config") -> None:
+        def bad(field, msg):
+            raise ConfigError(f"{source}: {field}: {msg}")
+
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "num_target_layers"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            bad("num_key_value_heads", f"{self.num_key_value_heads} does not divide num_attention_heads="
+                                       f"{self.num_attention_heads}")
+        if self.head_dim % 2:
+            bad("head_dim", f"must be even for rope, got {self.head_dim}")
+        if self.block_size < 2:
+            bad("block_size", f"must be >= 2 (bonus token + at least one draft), got {self.block_size}")
+        if not self.target_layer_ids or any(i < 0 for i in self.target_layer_ids):
+            bad("target_layer_ids", f"must be a non-empty list of layer indices >= 0, got {self.target_layer_ids}")
+        if self.mask_token_id < 0 or (self.vocab_size is not None and self.mask_token_id >= self.vocab_size):
+            bad("mask_token_id", f"{self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.rms_norm_eps <= 0:
+            bad("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            bad("final_logit_softcapping", "must be > 0 or None")
+        if self.rope.kind not in ("default", "yarn"):
+            bad("rope_scaling", f"type {self.rope.kind!r} is not supported (only default or 'yarn')")
+        if self.rope.kind == "yarn" and (self.rope.factor <= 0 or not self.rope.original_max_position_embeddings):
+            bad("rope_scaling", "yarn needs factor > 0 and original_max_position_embeddings")
+
+    def check_target(self, target) -> None:
+        """Raise ConfigError naming the field when this drafter cannot run on `target` (a ModelConfig)."""
+        def bad(field, msg):
+            raise ConfigError(f"drafter does not fit the target: {field}: {msg}")
+
+        if self.hidden_size != target.hidden_size:
+            bad("hidden_size", f"drafter {self.hidden_size} != target {target.hidden_size} (the drafter consumes "
+                               f"target hidden states and the target's embedding)")
+        if self.vocab_size is not None and self.vocab_size != target.vocab_size:
+            bad("vocab_size", f"drafter {self.vocab_size} != target {target.vocab_size}")
+        if self.mask_token_id >= target.vocab_size:
+            bad("mask_token_id", f"{self.mask_token_id} is outside the target vocabulary [0, {target.vocab_size})")
+        if max(self.target_layer_ids) >= target.num_hidden_layers:
+            bad("target_layer_ids", f"{list(self.target_layer_ids)} reach past the target's "
+                                    f"{target.num_hidden_layers} layers")
+
+    # ---- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> "DrafterConfig":
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise ConfigError(f"{config_path}: no config.json in the drafter directory")
+        try:
+            with open(config_path) as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{config_path}: not valid JSON ({e})") from e
+        return cls.from_dict(raw, source=config_path)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "drafter config") -> "DrafterConfig":
+        def bad(field, msg):
+            raise ConfigError(f"{source}: {field}: {msg}")
+
+        dflash = raw.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            bad("dflash_config", f"expected an object, got {dflash!r}")
+        _refuse_unsupported(raw, dflash, bad)
+
+        def get(key, kind, default=_REQUIRED, in_dflash=False):
+            if in_dflash and key in dflash:
+                name, value = f"dflash_config.{key}", dflash[key]
+            elif key in raw:
+                name, value = key, raw[key]
+            elif default is _REQUIRED:
+                bad(key, "required field is missing")
+            else:
+                return default
+            if value is None and default is None:
+                return None
+            ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+            if isinstance(value, bool) or not ok:
+                bad(name, f"expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+            return kind(value)
+
+        num_layers, num_target = get("num_hidden_layers", int), get("num_target_layers", int)
+        layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
+        if layer_ids is None:
+            layer_ids = build_target_layer_ids(num_target, num_layers)
+        elif not isinstance(layer_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                        for i in layer_ids):
+            bad("target_layer_ids", f"expected a list of integers, got {layer_ids!r}")
+        heads = get("num_attention_heads", int)
+        softcap = get("final_logit_softcapping", float, None, in_dflash=True)
+        return cls(
+            hidden_size=get("hidden_size", int),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=get("num_key_value_heads", int, None) or heads,
+            head_dim=get("head_dim", int),
+            intermediate_size=get("intermediate_size", int),
+            rms_norm_eps=get("rms_norm_eps", float),
+            rope=_drafter_rope(raw, bad),
+            block_size=get("block_size", int, 16, in_dflash=True),
+            target_layer_ids=tuple(layer_ids),
+            num_target_layers=num_target,
+            mask_token_id=get("mask_token_id", int, in_dflash=True),
+            vocab_size=get("vocab_size", int, None),
+            max_position_embeddings=get("max_position_embeddings", int, None),
+            output_multiplier=get("output_multiplier", float, 1.0, in_dflash=True),
+            final_logit_softcapping=softcap if softcap is not None and softcap > 0 else None,
+            input_embedding_scale=get("input_embedding_scale", float, 1.0, in_dflash=True),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json in z-lab's layout, readable by dflash's DFlashDraftModel (transformers 4.x and 5.x)."""
+        dflash = dict(mask_token_id=self.mask_token_id, target_layer_ids=list(self.target_layer_ids))
+        if self.output_multiplier != 1.0:
+            dflash["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.input_embedding_scale != 1.0:
+            dflash["input_embedding_scale"] = self.input_embedding_scale
+        out = dict(
+            architectures=[DRAFTER_ARCHITECTURE], model_type="qwen3", hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, hidden_act="silu", attention_bias=False, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope.theta, num_target_layers=self.num_target_layers, block_size=self.block_size,
+            tie_word_embeddings=False, dflash_config=dflash,
+        )
+        if self.rope.kind != "default":
+            out["rope_scaling"] = self.rope.to_hf_scaling()
+        for key in ("vocab_size", "max_position_embeddings"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    def replace(self, **changes) -> "DrafterConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """dflash's default choice of target layers: spread over [1, n_target - 3] (Python's round, half to even)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def _refuse_unsupported(raw: dict[str, Any], dflash: dict[str, Any], bad) -> None:
+    archs = raw.get("architectures") or [DRAFTER_ARCHITECTURE]
+    if any(a != DRAFTER_ARCHITECTURE for a in archs):
+        bad("architectures", f"{archs}: only {DRAFTER_ARCHITECTURE} is implemented (DFlash2DraftModel adds "
+                             f"causal convs and a candidate selector)")
+    for key in _DFLASH2_FIELDS:
+        if key in raw or key in dflash:
+            bad(key, "DFlash2 (causal convs + candidate selector) is not implemented")
+    if raw.get("hidden_act", "silu") != "silu":
+        bad("hidden_act", f"{raw['hidden_act']!r} is not supported (only 'silu')")
+    if raw.get("attention_bias", False):
+        bad("attention_bias", "q/k/v/o biases are not supported")
+    if raw.get("is_causal") or dflash.get("is_causal"):
+        bad("is_causal", "causal drafter attention is not supported (DFlash attends non-causally)")
+    if raw.get("use_sliding_window", False):
+        bad("use_sliding_window", "sliding-window drafter attention is not supported")
+    layer_types = raw.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        bad("layer_types", f"{layer_types}: only 'full_attention' is supported")
+
+
+def _drafter_rope(raw: dict[str, Any], bad) -> DrafterRope:
+    """HF's rope_parameters (transformers 5) or rope_theta + rope_scaling (legacy), resolved as HF resolves them."""
+    params = raw.get("rope_parameters")
+    field = "rope_parameters"
+    if not isinstance(params, dict):
+        params, field = dict(raw.get("rope_scaling") or {}), "rope_scaling"
+    if any(isinstance(v, dict) for v in params.values()):
+        bad(field, "rope parameters per layer type are not supported")
+    theta = params.get("rope_theta", raw.get("rope_theta"))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        bad("rope_theta", f"required number, got {theta!r}")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        bad("partial_rotary_factor", f"{partial} is not supported (only full rotary)")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return DrafterRope(theta=float(theta))
+    if kind != "yarn":
+        bad(field, f"rope type {kind!r} is not supported (only default or 'yarn')")
+    max_pos = raw.get("max_position_embeddings")
+    original = raw.get("original_max_position_embeddings",
+                       params.get("original_max_position_embeddings", max_pos))
+    factor = params.get("factor")
+    if original is None or (factor is None and max_pos is None):
+        bad(field, "yarn needs original_max_position_embeddings and factor (or max_position_embeddings)")
+    factor = float(max_pos / original if factor is None else factor)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else yarn_mscale(factor))
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        bad(f"{field}.truncate", f"expected true/false, got {truncate!r}")
+    return DrafterRope(theta=float(theta), kind="yarn", factor=factor, original_max_position_embeddings=int(original),
+                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                       truncate=truncate, attention_factor=float(attention_factor))
