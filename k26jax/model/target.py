@@ -104,11 +104,11 @@ class K2Model(nnx.Module):
 def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
     """The parameter tree as ShapeDtypeStructs, without allocating it."""
     model = nnx.eval_shape(lambda: K2Model(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    return nnx.state(model).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(model))
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16) -> dict:
-    return nnx.state(K2Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed))).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(K2Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed))))
 
 
 # ---- forward ---------------------------------------------------------------------------------------------
