@@ -1,0 +1,298 @@
+"""The DFlash drafter (z-lab `DFlashDraftModel`, dflash 0.1.0) in Flax NNX, as pure functions the engine jits.
+
+Qwen3 decoder layers (pre-norm, per-head q/k RMSNorm, GQA, rotate-half rope, SwiGLU) with KV injection: every
+layer's keys and values come from [context ; block], its queries from the block only, attention non-causal.
+  context  ctx = hidden_norm(fc(concat of the target's hidden states at target_layer_ids)), the same for every
+           layer; per layer k = rope(k_norm(ctx W_k)), v = ctx W_v (no input_layernorm on the context part).
+  block    embed([bonus, MASK x (b-1)]) * input_embedding_scale, through the layers; the block's own k/v use the
+           layer's input_layernorm output like its queries.
+  output   target lm_head(norm(h)) on rows 1..b-1, times output_multiplier, then softcapped when configured.
+The drafter has no embedding or lm_head of its own: it borrows the target's (embed_VD [V, D], lm_head_DV [D, V]).
+
+Parameter tree (= `nnx.state(DFlashDrafter(...)).to_pure_dict()`; [in, out] layout; n = num_hidden_layers,
+D hidden, F = len(target_layer_ids) * D, Hq/Hkv heads, K head_dim, I intermediate):
+  fc [F, D], hidden_norm [D], final_norm [D]
+  layers: input_norm [n, D], post_attn_norm [n, D],
+          attn: q [n, D, Hq, K], k [n, D, Hkv, K], v [n, D, Hkv, K], o [n, Hq, K, D], q_norm [n, K], k_norm [n, K]
+          mlp:  gate_up [n, D, 2, I], down [n, I, D]
+The compute dtype is the parameters' (bf16 by default, float32 for exactness tests); matmuls accumulate in fp32,
+norm statistics and softmax are fp32, logits are returned in float32.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from k26jax.config import DrafterConfig, DrafterRope
+from k26jax.model.layers import F32, mm, rms_norm, swiglu_mlp
+
+DATA, MODEL = "data", "model"
+
+
+# ---- module (random init; checkpoints overwrite the state) -----------------------------------------------
+def _param(rngs: nnx.Rngs, shape, dtype, std: float | None):
+    """std None: ones (norm weights); else normal(0, std)."""
+    if std is None:
+        return nnx.Param(jnp.ones(shape, dtype))
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape, F32)).astype(dtype))
+
+
+class DrafterAttention(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
+        n, D, K = cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim
+        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.q = _param(rngs, (n, D, Hq, K), dtype, D ** -0.5)
+        self.k = _param(rngs, (n, D, Hkv, K), dtype, D ** -0.5)
+        self.v = _param(rngs, (n, D, Hkv, K), dtype, D ** -0.5)
+        self.o = _param(rngs, (n, Hq, K, D), dtype, (Hq * K) ** -0.5)
+        self.q_norm = _param(rngs, (n, K), dtype, None)
+        self.k_norm = _param(rngs, (n, K), dtype, None)
+
+
+class DrafterMLP(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
+        n, D, I = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up = _param(rngs, (n, D, 2, I), dtype, D ** -0.5)
+        self.down = _param(rngs, (n, I, D), dtype, I ** -0.5)
+
+
+class DrafterLayers(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
+        n, D = cfg.num_hidden_layers, cfg.hidden_size
+        self.input_norm = _param(rngs, (n, D), dtype, None)
+        self.post_attn_norm = _param(rngs, (n, D), dtype, None)
+        self.attn = DrafterAttention(cfg, dtype, rngs)
+        self.mlp = DrafterMLP(cfg, dtype, rngs)
+
+
+class DFlashDrafter(nnx.Module):
+    """Random-initialised drafter; its pure-dict state is the parameter tree the functions below take."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D = cfg.hidden_size
+        self.fc = _param(rngs, (cfg.context_dim, D), dtype, cfg.context_dim ** -0.5)
+        self.hidden_norm = _param(rngs, (D,), dtype, None)
+        self.final_norm = _param(rngs, (D,), dtype, None)
+        self.layers = DrafterLayers(cfg, dtype, rngs)
+
+    def params(self) -> dict:
+        return nnx.state(self).to_pure_dict()
+
+    def __call__(self, embed_VD, lm_head_DV, context_features, bonus_ids):
+        return draft_logits(self.params(), self.cfg, embed_VD, lm_head_DV, context_features, bonus_ids)
+
+
+def init_params(cfg: DrafterConfig, seed: int = 0, dtype=jnp.bfloat16) -> dict:
+    return DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed)).params()
+
+
+def abstract_params(cfg: DrafterConfig, dtype=jnp.bfloat16) -> dict:
+    """The parameter tree as ShapeDtypeStructs, without allocating it."""
+    return nnx.state(nnx.eval_shape(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0)))).to_pure_dict()
+
+
+# ---- rope (HF Qwen3RotaryEmbedding: rotate-half, cos/sin times attention_factor) -------------------------
+def rope_inv_freq(rope: DrafterRope, head_dim: int) -> np.ndarray:
+    """inv_freq [head_dim/2] float32, computed in float32 as HF does (default or YaRN)."""
+    dim, base = head_dim, rope.theta
+    pos_freqs = (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)).astype(np.float32)
+    inv_extrapolation = (1.0 / pos_freqs).astype(np.float32)
+    if rope.kind == "default":
+        return inv_extrapolation
+    inv_interpolation = (1.0 / (rope.factor * pos_freqs)).astype(np.float32)
+
+    def correction_dim(rotations):
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolation = (1 - ramp).astype(np.float32)
+    return (inv_interpolation * (1 - extrapolation) + inv_extrapolation * extrapolation).astype(np.float32)
+
+
+def rope_cos_sin(cfg: DrafterConfig, positions):
+    """cos, sin [..., head_dim] float32 for integer positions [...]."""
+    freqs = positions.astype(F32)[..., None] * jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * cfg.rope.attention_factor, jnp.sin(emb) * cfg.rope.attention_factor
+
+
+def _apply_rope(x_BTNK, cos_BTK, sin_BTK):
+    cos, sin = cos_BTK[..., None, :].astype(x_BTNK.dtype), sin_BTK[..., None, :].astype(x_BTNK.dtype)
+    half = x_BTNK.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BTNK[..., half:], x_BTNK[..., :half]], axis=-1)
+    return x_BTNK * cos + rotated * sin
+
+
+# ---- layer pieces ------------------------------------------------------------------------------------------
+def _kv(attn, cfg: DrafterConfig, x_BTD, cos_BTK, sin_BTK):
+    """One layer's roped k and v [B,T,Hkv,K] for hidden rows x (context rows or the normed block)."""
+    k = rms_norm(mm("btd,dmk->btmk", x_BTD, attn["k"]), attn["k_norm"], cfg.rms_norm_eps)
+    return _apply_rope(k, cos_BTK, sin_BTK), mm("btd,dmk->btmk", x_BTD, attn["v"])
+
+
+def _attend(q_BQNK, k_BSMK, v_BSMK, visible_BS=None):
+    """GQA softmax attention (query head n uses kv head n // q_per_kv), fp32 scores and softmax."""
+    B, Q, N, K = q_BQNK.shape
+    M = k_BSMK.shape[2]
+    q = q_BQNK.reshape(B, Q, M, N // M, K)
+    scores = jnp.einsum("bqmgk,bsmk->bmgqs", q, k_BSMK, preferred_element_type=F32) * K ** -0.5
+    if visible_BS is not None:
+        scores = jnp.where(visible_BS[:, None, None, None, :], scores, -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1).astype(v_BSMK.dtype)
+    o = jnp.einsum("bmgqs,bsmk->bqmgk", p, v_BSMK, preferred_element_type=F32).astype(q_BQNK.dtype)
+    return o.reshape(B, Q, N, K)
+
+
+def _layer(layer, cfg: DrafterConfig, h_BbD, cos_BbK, sin_BbK, attend):
+    """One pre-norm decoder layer over the block; attend(q, k_block, v_block) adds the context keys."""
+    attn = layer["attn"]
+    x = rms_norm(h_BbD, layer["input_norm"], cfg.rms_norm_eps)
+    q = rms_norm(mm("btd,dnk->btnk", x, attn["q"]), attn["q_norm"], cfg.rms_norm_eps)
+    q = _apply_rope(q, cos_BbK, sin_BbK)
+    k_block, v_block = _kv(attn, cfg, x, cos_BbK, sin_BbK)
+    h = h_BbD + mm("btnk,nkd->btd", attend(q, k_block, v_block), attn["o"])
+    return h + swiglu_mlp(layer["mlp"], rms_norm(h, layer["post_attn_norm"], cfg.rms_norm_eps))
+
+
+def _context(params, cfg: DrafterConfig, context_features_BTF):
+    _check_last_dim(context_features_BTF, cfg.context_dim, "context_features")
+    x = context_features_BTF.astype(params["fc"].dtype)
+    return rms_norm(mm("btf,fd->btd", x, params["fc"]), params["hidden_norm"], cfg.rms_norm_eps)
+
+
+def _block_embeddings(params, cfg: DrafterConfig, embed_VD, bonus_ids_B):
+    """embed([bonus, MASK x (b-1)]) * input_embedding_scale -> [B, b, D] in the parameters' dtype."""
+    if embed_VD.ndim != 2 or embed_VD.shape[1] != cfg.hidden_size:
+        raise ValueError(f"embed_VD: expected [V, {cfg.hidden_size}], got {embed_VD.shape}")
+    if bonus_ids_B.ndim != 1:
+        raise ValueError(f"bonus_ids: expected [B], got {bonus_ids_B.shape}")
+    ids = jnp.full((bonus_ids_B.shape[0], cfg.block_size), cfg.mask_token_id, jnp.int32)
+    ids = ids.at[:, 0].set(bonus_ids_B.astype(jnp.int32))
+    return (embed_VD[ids] * cfg.input_embedding_scale).astype(params["fc"].dtype)
+
+
+def _logits(params, cfg: DrafterConfig, lm_head_DV, h_BbD):
+    """Rows 1..b-1: lm_head(norm(h)) * output_multiplier, softcapped -> float32 [B, b-1, V]."""
+    if lm_head_DV.ndim != 2 or lm_head_DV.shape[0] != cfg.hidden_size:
+        raise ValueError(f"lm_head_DV: expected [{cfg.hidden_size}, V], got {lm_head_DV.shape}")
+    x = rms_norm(h_BbD[:, 1:], params["final_norm"], cfg.rms_norm_eps)
+    logits = jnp.einsum("btd,dv->btv", x, lm_head_DV.astype(x.dtype), preferred_element_type=F32)
+    logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping is not None:
+        logits = jnp.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+    return logits
+
+
+def _check_last_dim(x, want: int, name: str):
+    if x.ndim != 3 or x.shape[-1] != want:
+        raise ValueError(f"{name}: expected [B, T, {want}], got {x.shape}")
+
+
+# ---- public functions ------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames="cfg")
+def draft_logits(params, cfg: DrafterConfig, embed_VD, lm_head_DV, context_features, bonus_ids):
+    """Full forward, no cache: context_features [B,Tc,F] at positions 0..Tc-1, bonus_ids [B] -> [B, b-1, V] f32.
+
+    The block [bonus, MASK x (b-1)] sits at positions Tc..Tc+b-1 and attends to all context rows and itself.
+    """
+    ctx_BTD = _context(params, cfg, context_features)
+    B, Tc, _ = ctx_BTD.shape
+    h = _block_embeddings(params, cfg, embed_VD, bonus_ids)
+    if h.shape[0] != B:
+        raise ValueError(f"bonus_ids: batch {h.shape[0]} != context_features batch {B}")
+    cos, sin = rope_cos_sin(cfg, jnp.broadcast_to(jnp.arange(Tc + cfg.block_size), (B, Tc + cfg.block_size)))
+
+    def body(h, layer):
+        k_ctx, v_ctx = _kv(layer["attn"], cfg, ctx_BTD, cos[:, :Tc], sin[:, :Tc])
+        attend = lambda q, k, v: _attend(q, jnp.concatenate([k_ctx, k], 1), jnp.concatenate([v_ctx, v], 1))
+        return _layer(layer, cfg, h, cos[:, Tc:], sin[:, Tc:], attend), None
+
+    h, _ = jax.lax.scan(body, h, params["layers"])
+    return _logits(params, cfg, lm_head_DV, h)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def context_kv(params, cfg: DrafterConfig, context_features, positions):
+    """The cacheable context K/V: context_features [B,T,F] at positions [B,T] -> (k, v) [n, B, T, Hkv, K].
+
+    k is k_norm'ed and roped; both are in the parameters' dtype.
+    """
+    ctx_BTD = _context(params, cfg, context_features)
+    if positions.shape != ctx_BTD.shape[:2]:
+        raise ValueError(f"positions: expected {ctx_BTD.shape[:2]}, got {positions.shape}")
+    cos, sin = rope_cos_sin(cfg, positions)
+    return jax.vmap(lambda attn: _kv(attn, cfg, ctx_BTD, cos, sin))(params["layers"]["attn"])
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def draft_block(params, cfg: DrafterConfig, embed_VD, lm_head_DV, ctx_k, ctx_v, ctx_len, bonus_ids, start):
+    """The block against a context cache -> [B, b-1, V] float32.
+
+    ctx_k, ctx_v [n, B, S_max, Hkv, K] (from `context_kv`); ctx_len [B]: rows [0, ctx_len) are valid;
+    bonus_ids [B]; start [B]: the block sits at positions start..start+b-1 and sees the valid rows and itself.
+    """
+    n, B, S, Hkv, K = ctx_k.shape
+    want = (cfg.num_hidden_layers, B, S, cfg.num_key_value_heads, cfg.head_dim)
+    if ctx_k.shape != want or ctx_v.shape != want:
+        raise ValueError(f"ctx_k/ctx_v: expected [n, B, S_max, Hkv, K] = {want}, got {ctx_k.shape}, {ctx_v.shape}")
+    for name, x in (("ctx_len", ctx_len), ("bonus_ids", bonus_ids), ("start", start)):
+        if x.shape != (B,):
+            raise ValueError(f"{name}: expected [{B}], got {x.shape}")
+    h = _block_embeddings(params, cfg, embed_VD, bonus_ids)
+    cos, sin = rope_cos_sin(cfg, start[:, None] + jnp.arange(cfg.block_size))
+    visible = jnp.concatenate([jnp.arange(S)[None] < ctx_len[:, None],
+                               jnp.ones((B, cfg.block_size), bool)], axis=1)
+
+    def body(h, xs):
+        layer, k_ctx, v_ctx = xs
+        attend = lambda q, k, v: _attend(q, jnp.concatenate([k_ctx, k], 1), jnp.concatenate([v_ctx, v], 1),
+                                         visible)
+        return _layer(layer, cfg, h, cos, sin, attend), None
+
+    h, _ = jax.lax.scan(body, h, (params["layers"], ctx_k, ctx_v))
+    return _logits(params, cfg, lm_head_DV, h)
+
+
+# ---- sharding --------------------------------------------------------------------------------------------
+def _heads_split(cfg: DrafterConfig, model_axis_size: int) -> bool:
+    """Attention is split over "model" only when both q and kv heads divide, so each shard holds whole groups."""
+    return cfg.num_attention_heads % model_axis_size == 0 and cfg.num_key_value_heads % model_axis_size == 0
+
+
+def drafter_partition_specs(cfg: DrafterConfig, model_axis_size: int) -> dict:
+    """PartitionSpecs mirroring the parameter tree for a ("data", "model") mesh whose "model" axis has
+    `model_axis_size` devices: heads, the MLP intermediate and fc's input split over "model" where they divide,
+    replicated otherwise; norms replicated."""
+    if model_axis_size < 1:
+        raise ValueError(f"model_axis_size: must be >= 1, got {model_axis_size}")
+    heads = MODEL if _heads_split(cfg, model_axis_size) else None
+    inter = MODEL if cfg.intermediate_size % model_axis_size == 0 else None
+    fc_in = MODEL if cfg.context_dim % model_axis_size == 0 else None
+    return {
+        "fc": P(fc_in, None), "hidden_norm": P(None), "final_norm": P(None),
+        "layers": {
+            "input_norm": P(None, None), "post_attn_norm": P(None, None),
+            "attn": {"q": P(None, None, heads, None), "k": P(None, None, heads, None),
+                     "v": P(None, None, heads, None), "o": P(None, heads, None, None),
+                     "q_norm": P(None, None), "k_norm": P(None, None)},
+            "mlp": {"gate_up": P(None, None, None, inter), "down": P(None, inter, None)},
+        },
+    }
+
+
+def drafter_cache_partition_spec(cfg: DrafterConfig, model_axis_size: int) -> P:
+    """Context K/V cache [n, B, S_max, Hkv, K]: batch over "data", kv heads over "model" as the attention is."""
+    return P(None, DATA, None, MODEL if _heads_split(cfg, model_axis_size) else None, None)
