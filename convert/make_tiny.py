@@ -1,0 +1,372 @@
+"""Write a random-weight HF checkpoint in the exact K2.6 on-disk format.
+
+    python -m convert.make_tiny --out DIR [--preset tiny|k26-depthN] [--experts N] [--seed S]
+
+What it writes (the layout of moonshotai/Kimi-K2.6, at the preset's dims):
+  config.json                  `kimi_k25` wrapper: `text_config` (kimi_k2, with the compressed-tensors
+                               quantization_config), a small `vision_config`, the media placeholder id
+  generation_config.json       bos / eos (<|im_end|>) / pad
+  model-0000i-of-00000n.safetensors + model.safetensors.index.json
+                               several shards (`language_model.` prefix, dummy `vision_tower.*` / `mm_projector.*`
+                               tensors); the first MoE layer's expert 0 is split across two shards
+                               routed experts INT4: weight_packed int32 [out, in/8], weight_scale bf16 [out, in/32],
+                               weight_shape int32 [2]; everything else bf16, e_score_correction_bias fp32
+  tiktoken.model, tokenizer_config.json
+                               a byte-level BPE filling ids [0, V-256) and K2's 256 special tokens at K2's offsets
+                               from the top of the vocabulary, with the K2 chat template
+  drafter/                     a matching DFlash drafter (tiny preset only; `--no-drafter` to skip)
+
+Weights are deterministic in --seed; lm_head/embed std 4/sqrt(D) so greedy logits are far from ties.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+from collections import Counter
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from convert.hf_layout import BF16, GROUP, INDEX_FILE, PACK, WRAPPER_PREFIX
+from k26jax.config import QUANT_CONFIG, ModelConfig, preset_text_config
+
+K2_VOCAB = 163840
+K2_SPECIAL_TOKENS = {  # K2 / K2.5 ids; the tiny vocab keeps each one's offset from the top
+    163584: "[BOS]", 163585: "[EOS]", 163586: "<|im_end|>", 163587: "<|im_user|>", 163588: "<|im_assistant|>",
+    163590: "<|start_header_id|>", 163591: "<|end_header_id|>", 163593: "[EOT]", 163594: "<|im_system|>",
+    163595: "<|tool_calls_section_begin|>", 163596: "<|tool_calls_section_end|>", 163597: "<|tool_call_begin|>",
+    163598: "<|tool_call_argument_begin|>", 163599: "<|tool_call_end|>", 163601: "<|im_middle|>",
+    163602: "<|media_begin|>", 163603: "<|media_content|>", 163604: "<|media_end|>", 163605: "<|media_pad|>",
+    163606: "<think>", 163607: "</think>", 163838: "[UNK]", 163839: "[PAD]",
+}
+NUM_SPECIAL = 256
+MEDIA_PLACEHOLDER = 163605
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- elif message['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "<think>{{ message.get('reasoning_content', '') }}</think>"
+    "{%- else -%}<|im_system|>{{ message['role'] }}<|im_middle|>"
+    "{%- endif -%}"
+    "{{ message['content'] }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}"
+)
+
+BPE_CORPUS = """\
+The quick brown fox jumps over the lazy dog. Kimi is a large language model with a mixture of experts:
+every token is routed to eight of three hundred and eighty four experts, and a shared expert sees every token.
+Attention compresses the keys and values into a small latent vector, so the cache stays small on long
+contexts. A drafter proposes a tree of tokens; the target model verifies the whole tree in one step and
+accepts the longest path that matches its own choice. Hello, world! How are you today? I am fine, thank you.
+What is the capital of France? The capital of France is Paris. Please write a short poem about the sea,
+the sky, the stars and the wind. Once upon a time there was a little program that wanted to run very fast
+on many devices at once. It learned to split its weights across eight machines and to read only what it
+needed from the disk. def main(): return sum(range(10)) if __name__ == "__main__": print(main())
+Numbers like 1, 2, 3, 42, 100 and 2026 appear in text; so do dates, names, places and questions.
+system user assistant tool think answer reasoning content message role function arguments result
+Good morning! Could you explain, step by step, why the sky looks blue during the day but red at sunset?
+Sunlight scatters off small molecules in the air; shorter wavelengths scatter more strongly than longer ones.
+Write a function that sorts a list of integers, then test it with several inputs including an empty list.
+"""
+
+
+def special_tokens(vocab_size: int) -> dict[int, str]:
+    """id -> token for the top 256 ids: K2's named specials at K2's offsets, `<|reserved_token_i|>` otherwise."""
+    first = vocab_size - NUM_SPECIAL
+    names = {i - K2_VOCAB + vocab_size: t for i, t in K2_SPECIAL_TOKENS.items()}
+    return {i: names.get(i, f"<|reserved_token_{i}|>") for i in range(first, vocab_size)}
+
+
+def bpe_ranks(num_tokens: int, corpus: str = BPE_CORPUS) -> dict[bytes, int]:
+    """Byte-level BPE: 256 byte tokens, then the most frequent adjacent pairs of `corpus` (ties by bytes), then,
+    once the corpus is fully merged, concatenations of two earlier tokens in rank order (valid BPE merges)."""
+    ranks = {bytes([b]): b for b in range(256)}
+    words = Counter(tuple(bytes([c]) for c in w.encode()) for w in re.findall(r" ?\w+| ?[^\w\s]+|\s+", corpus))
+    while len(ranks) < num_tokens:
+        pairs: Counter = Counter()
+        for word, count in words.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] += count
+        if not pairs:
+            break
+        a, b = max(pairs, key=lambda p: (pairs[p], p))
+        ranks.setdefault(a + b, len(ranks))
+        words = Counter({_merge(w, a, b): c for w, c in words.items()})
+    learned = [t for t, _ in sorted(ranks.items(), key=lambda kv: kv[1])][::-1]  # longest merges first
+    for a in learned:
+        for b in learned:
+            if len(ranks) >= num_tokens:
+                return ranks
+            ranks.setdefault(a + b, len(ranks))
+    return ranks
+
+
+def _merge(word: tuple, a: bytes, b: bytes) -> tuple:
+    out, i = [], 0
+    while i < len(word):
+        if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+            out.append(a + b)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+def write_tokenizer(out: str, vocab_size: int) -> None:
+    ranks = bpe_ranks(vocab_size - NUM_SPECIAL)
+    with open(os.path.join(out, "tiktoken.model"), "w") as f:
+        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
+    specials = special_tokens(vocab_size)
+    config = {
+        "added_tokens_decoder": {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                          "single_word": False, "special": True} for i, t in specials.items()},
+        "additional_special_tokens": [t for t in K2_SPECIAL_TOKENS.values() if not t.startswith("[")],
+        "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]",
+        "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "model_max_length": 1048576, "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+    }
+    _dump_json(os.path.join(out, "tokenizer_config.json"), config)
+
+
+# ---- weights ------------------------------------------------------------------------------------------------
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """int values [out, in] in [-8, 7] -> int32 words [out, in/8], compressed-tensors pack-quantized:
+    offset-binary nibbles (q + 8), input column 8j+k in nibble k of word j (LSB first)."""
+    q = np.asarray(q)
+    if q.ndim != 2 or q.shape[1] % PACK:
+        raise ValueError(f"q must be [out, in] with in a multiple of {PACK}, got shape {q.shape}")
+    if q.size and (q.min() < -8 or q.max() > 7):
+        raise ValueError(f"q values must lie in [-8, 7], got [{q.min()}, {q.max()}]")
+    nibbles = (q.astype(np.int64) + 8).astype(np.uint32).reshape(q.shape[0], -1, PACK)
+    words = np.zeros(nibbles.shape[:2], np.uint32)
+    for k in range(PACK):
+        words |= nibbles[:, :, k] << np.uint32(4 * k)
+    return words.view(np.int32)
+
+
+class _Weights:
+    """Deterministic random tensors, generated one at a time in checkpoint order."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def normal(self, shape, std, mean=0.0, dtype=BF16):
+        out = np.empty(shape, dtype)
+        flat, rows = out.reshape(-1, shape[-1]), max(1, (1 << 24) // shape[-1])
+        for start in range(0, flat.shape[0], rows):
+            block = self.rng.standard_normal((min(rows, flat.shape[0] - start), shape[-1]), np.float32)
+            flat[start:start + rows] = block * np.float32(std) + np.float32(mean)
+        return out
+
+    def linear(self, out_dim, in_dim):
+        return self.normal((out_dim, in_dim), in_dim ** -0.5)
+
+    def int4_linear(self, out_dim, in_dim):
+        """(packed, scale, shape): uniform q in [-8, 7], scales so the weight std is about 1/sqrt(in)."""
+        q = self.rng.integers(-8, 8, (out_dim, in_dim), np.int8)
+        scale = (self.rng.uniform(0.5, 1.5, (out_dim, in_dim // GROUP)) / (4.6 * in_dim ** 0.5)).astype(BF16)
+        return pack_int4(q), scale, np.array([out_dim, in_dim], np.int32)
+
+
+def _layer_tensors(w: _Weights, cfg: ModelConfig, layer: int):
+    """Yields (name without the `language_model.` prefix, array) for one decoder layer, in HF order."""
+    D, H = cfg.hidden_size, cfg.num_attention_heads
+    p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
+    yield p + "input_layernorm.weight", w.normal((D,), 0.1, 1.0)
+    if cfg.q_lora_rank is None:
+        yield a + "q_proj.weight", w.linear(H * cfg.qk_head_dim, D)
+    else:
+        yield a + "q_a_proj.weight", w.linear(cfg.q_lora_rank, D)
+        yield a + "q_a_layernorm.weight", w.normal((cfg.q_lora_rank,), 0.1, 1.0)
+        yield a + "q_b_proj.weight", w.linear(H * cfg.qk_head_dim, cfg.q_lora_rank)
+    yield a + "kv_a_proj_with_mqa.weight", w.linear(cfg.kv_lora_rank + cfg.qk_rope_head_dim, D)
+    yield a + "kv_a_layernorm.weight", w.normal((cfg.kv_lora_rank,), 0.1, 1.0)
+    yield a + "kv_b_proj.weight", w.linear(H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    yield a + "o_proj.weight", w.linear(D, H * cfg.v_head_dim)
+    yield p + "post_attention_layernorm.weight", w.normal((D,), 0.1, 1.0)
+    m = p + "mlp."
+    if not cfg.is_moe_layer(layer):
+        yield from _swiglu(w, m, D, cfg.intermediate_size)
+        return
+    E, Im = cfg.n_routed_experts, cfg.moe_intermediate_size
+    yield m + "gate.weight", w.linear(E, D)
+    yield m + "gate.e_score_correction_bias", w.normal((E,), 0.1, dtype=np.float32)
+    if cfg.n_shared_experts:
+        yield from _swiglu(w, m + "shared_experts.", D, Im * cfg.n_shared_experts)
+    for e in range(E):
+        for proj, out_dim, in_dim in (("gate_proj", Im, D), ("up_proj", Im, D), ("down_proj", D, Im)):
+            packed, scale, shape = w.int4_linear(out_dim, in_dim)
+            name = f"{m}experts.{e}.{proj}."
+            yield name + "weight_packed", packed
+            yield name + "weight_scale", scale
+            yield name + "weight_shape", shape
+
+
+def _swiglu(w: _Weights, prefix, D, I):
+    yield prefix + "gate_proj.weight", w.linear(I, D)
+    yield prefix + "up_proj.weight", w.linear(I, D)
+    yield prefix + "down_proj.weight", w.linear(D, I)
+
+
+def _vision_tensors(w: _Weights, text_hidden: int):
+    """A few bf16 tensors under K2.5's vision names (loaders skip them)."""
+    for name, shape in (("vision_tower.patch_embed.proj.weight", (32, 3, 14, 14)),
+                        ("vision_tower.encoder.blocks.0.wqkv.weight", (96, 32)),
+                        ("vision_tower.encoder.blocks.0.wo.weight", (32, 32)),
+                        ("vision_tower.encoder.final_layernorm.weight", (32,)),
+                        ("mm_projector.pre_norm.weight", (32,)),
+                        ("mm_projector.proj.0.weight", (128, 128)),
+                        ("mm_projector.proj.2.weight", (text_hidden, 128))):
+        yield name, w.normal(shape, 0.02)
+
+
+def _all_tensors(w: _Weights, cfg: ModelConfig):
+    D, V = cfg.hidden_size, cfg.vocab_size
+    yield WRAPPER_PREFIX + "model.embed_tokens.weight", w.normal((V, D), 4 * D ** -0.5)
+    for layer in range(cfg.num_hidden_layers):
+        for name, arr in _layer_tensors(w, cfg, layer):
+            yield WRAPPER_PREFIX + name, arr
+    yield WRAPPER_PREFIX + "model.norm.weight", w.normal((D,), 0.1, 1.0)
+    yield WRAPPER_PREFIX + "lm_head.weight", w.normal((V, D), 4 * D ** -0.5)
+    yield from _vision_tensors(w, D)
+
+
+def write_weights(out: str, cfg: ModelConfig, seed: int, shard_bytes: int) -> list[str]:
+    """Writes the shards and the index, holding one shard in memory; returns the shard file names."""
+    first_moe = cfg.layer_kinds.index("moe") if "moe" in cfg.layer_kinds else None
+    split_after = (f"{WRAPPER_PREFIX}model.layers.{first_moe}.mlp.experts.0.up_proj.weight_shape"
+                   if first_moe is not None else None)
+    current: dict[str, np.ndarray] = {}
+    size = 0
+    weight_map, tmp_names = {}, []
+
+    def flush():
+        nonlocal current, size
+        name = f"shard-{len(tmp_names)}.tmp"
+        save_file(current, os.path.join(out, name), metadata={"format": "pt"})
+        tmp_names.append((name, list(current)))
+        current, size = {}, 0
+
+    for name, arr in _all_tensors(_Weights(seed), cfg):
+        if current and size + arr.nbytes > shard_bytes:
+            flush()
+        current[name] = arr
+        size += arr.nbytes
+        if name == split_after:
+            flush()
+    if current:
+        flush()
+    total, files = 0, []
+    for i, (tmp, names) in enumerate(tmp_names):
+        final = f"model-{i + 1:05d}-of-{len(tmp_names):06d}.safetensors"  # K2.5's six-digit total
+        os.replace(os.path.join(out, tmp), os.path.join(out, final))
+        files.append(final)
+        weight_map.update({n: final for n in names})
+    for final in files:
+        total += os.path.getsize(os.path.join(out, final))
+    _dump_json(os.path.join(out, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return files
+
+
+# ---- configs ------------------------------------------------------------------------------------------------
+def hf_config(text: dict) -> dict:
+    """The kimi_k25 wrapper config.json around a text config dict."""
+    V = text["vocab_size"]
+    text = {"architectures": ["DeepseekV3ForCausalLM"],
+            "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                         "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                         "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+            **text, "aux_loss_alpha": 0.001, "ep_size": 1, "num_nextn_predict_layers": 0, "seq_aux": True,
+            "initializer_range": 0.02, "attention_dropout": 0.0, "torch_dtype": "bfloat16", "use_cache": True,
+            "quantization_config": QUANT_CONFIG}
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                     "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+                     "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
+        "model_type": "kimi_k25",
+        "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
+        "pad_token_id": text["pad_token_id"],
+        "media_placeholder_token_id": MEDIA_PLACEHOLDER - K2_VOCAB + V,
+        "use_unified_vision_chunk": True, "video_placeholder": "<|kimi_k25_video_placeholder|>",
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "text_config": text,
+        "vision_config": {"patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64,
+                          "init_pos_emb_time": 4, "pos_emb_type": "divided_fixed", "vt_num_attention_heads": 2,
+                          "vt_num_hidden_layers": 1, "vt_hidden_size": 32, "vt_intermediate_size": 64,
+                          "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mm_projector_type": "patchmerger",
+                          "mm_hidden_size": 128, "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5,
+                          "text_hidden_size": text["hidden_size"]},
+    }
+
+
+def tiny_text_config(preset: str, experts: int | None = None) -> dict:
+    """The preset's text config dict; vocab-relative special ids; `experts` overrides n_routed_experts."""
+    text = preset_text_config(preset)
+    V = text["vocab_size"]
+    text.update(bos_token_id=V - 256, eos_token_id=V - 255, pad_token_id=V - 1)
+    if experts is not None:
+        text["n_routed_experts"] = experts
+    return text
+
+
+def make_tiny(out: str, preset: str = "tiny", *, experts: int | None = None, seed: int = 0,
+              drafter: bool | None = None, shard_bytes: int | None = None) -> ModelConfig:
+    """Writes the checkpoint (see the module docstring) into the new or empty directory `out`."""
+    if os.path.isdir(out) and os.listdir(out):
+        raise FileExistsError(f"--out {out}: directory exists and is not empty")
+    os.makedirs(out, exist_ok=True)
+    text = tiny_text_config(preset, experts)
+    config = hf_config(text)
+    _dump_json(os.path.join(out, "config.json"), config)
+    V = text["vocab_size"]
+    _dump_json(os.path.join(out, "generation_config.json"),
+               {"bos_token_id": V - 256, "eos_token_id": V - 254, "pad_token_id": V - 1, "do_sample": False})
+    cfg = ModelConfig.from_hf_dir(out)
+    write_weights(out, cfg, seed, shard_bytes or (2_500_000 if preset == "tiny" else 2 << 30))
+    write_tokenizer(out, V)
+    if drafter if drafter is not None else preset == "tiny":
+        write_drafter(os.path.join(out, "drafter"), cfg, seed + 1)
+    return cfg
+
+
+def write_drafter(out: str, target: ModelConfig, seed: int) -> None:
+    """A tiny DFlash drafter for `target`: hidden = target hidden, 2 layers, block 8, layers [1, 2], mask V-2."""
+    from convert import dflash_layout
+    dflash_layout.write_random_drafter(out, target, seed=seed)
+
+
+def _dump_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m convert.make_tiny", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="new (or empty) output directory")
+    parser.add_argument("--preset", default="tiny", help="tiny | k26-depthN (full width, N layers)")
+    parser.add_argument("--experts", type=int, help="override n_routed_experts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-drafter", action="store_true", help="skip DIR/drafter/")
+    args = parser.parse_args(argv)
+    cfg = make_tiny(args.out, args.preset, experts=args.experts, seed=args.seed,
+                    drafter=False if args.no_drafter else None)
+    print(f"wrote {args.out}: {args.preset}, {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts")
+
+
+if __name__ == "__main__":
+    main()
