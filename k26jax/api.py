@@ -27,6 +27,13 @@ class Model:
     drafter_params: dict | None = None
     path: str | None = None
 
+    @functools.cached_property
+    def tokenizer(self):
+        from k26jax.tokenizer import Tokenizer
+        if self.path is None:
+            raise ValueError("this model has no checkpoint directory to read a tokenizer from")
+        return Tokenizer(self.path)
+
     @property
     def dtype(self):
         return self.params["embed"].dtype
@@ -111,6 +118,6 @@ def _attach_drafter(model: Model, drafter_dir: str, dtype: str) -> None:
     dparams = jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]) if np.issubdtype(np.asarray(a).dtype,
                                                                                   np.floating) else a, dparams)
     if model.mesh is not None:
-        specs = drafter_lib.drafter_partition_specs(dcfg)
+        specs = drafter_lib.drafter_partition_specs(dcfg, model.mesh.shape[sharding.MODEL])
         dparams = jax.device_put(dparams, sharding.shardings_for(dparams, specs, model.mesh))
     model.drafter_cfg, model.drafter_params = dcfg, dparams

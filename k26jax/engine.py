@@ -1,0 +1,205 @@
+"""Prefill and the speculative step: DDTree, chain DFlash and plain AR through one machinery.
+
+One step is one jitted XLA program with donated state and no host round trip:
+  draft -> top-K -> tree_build -> target verify over the tree -> per-node choice -> tree_accept -> commit.
+AR is the degenerate tree {root}; chain DFlash is top-1 per depth (K = 1, B = L).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from k26jax import cache as kc, ops
+from k26jax.config import ModelConfig
+from k26jax.model import drafter as drafter_lib, target
+from pallas_kernels.tree_build import draft_topk, visibility_from_parents
+
+METHODS = ("ddtree", "chain", "ar")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static decoding settings (hashable: part of the compiled step's identity)."""
+
+    method: str = "ddtree"
+    budget: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    eos_ids: tuple[int, ...] = ()
+    block_size: int = 8
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r}: use one of {METHODS}")
+        if self.budget < 1:
+            raise ValueError(f"budget={self.budget}: must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"temperature={self.temperature}, top_p={self.top_p}: need T >= 0 and 0 < top_p <= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+
+    @property
+    def depth(self) -> int:
+        """L: draft depth (0 for AR)."""
+        return 0 if self.method == "ar" else self.block_size - 1
+
+    @property
+    def tree_size(self) -> int:
+        """B: tree nodes besides the root."""
+        return {"ar": 0, "chain": self.depth, "ddtree": self.budget}[self.method]
+
+
+@struct.dataclass
+class DecodeState:
+    cache: kc.KVCache
+    ctx_k: jax.Array        # drafter context K [Ld, C, S, kv_heads, head_dim] (empty for AR)
+    ctx_v: jax.Array
+    ctx_len: jax.Array      # [C]
+    root: jax.Array         # [C] last emitted token, no KV yet: the next tree's root
+    out: jax.Array          # [C, max_new + L + 1] emitted tokens
+    num_out: jax.Array      # [C]
+    done: jax.Array         # [C] bool
+    key: jax.Array
+    step: jax.Array         # scalar int32
+    accept_lens: jax.Array  # [max_steps, C] accept length per step, 0 when inactive
+
+
+def max_steps(sc: StepConfig) -> int:
+    return sc.max_new_tokens
+
+
+def choose(logits_CNV, key, sc: StepConfig):
+    """Per-node choice: argmax at T = 0, else an independent sample per node from softmax(logits/T), top-p."""
+    if sc.temperature == 0:
+        return jnp.argmax(logits_CNV, axis=-1).astype(jnp.int32)
+    logits = logits_CNV.astype(jnp.float32) / sc.temperature
+    if sc.top_p < 1:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        cutoff_idx = jnp.sum(cum < sc.top_p, axis=-1, keepdims=True)
+        cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _record(state: DecodeState, new_tokens_CP, n_new_C, sc: StepConfig):
+    """Append n_new tokens per active sequence; finish on EOS (kept) or max_new_tokens."""
+    C, P = new_tokens_CP.shape
+    j = jnp.arange(P, dtype=jnp.int32)[None]
+    is_eos = jnp.isin(new_tokens_CP, jnp.asarray(sc.eos_ids or (-1,), jnp.int32)) & (j < n_new_C[:, None])
+    first_eos = jnp.where(is_eos.any(-1), jnp.argmax(is_eos, axis=-1) + 1, P + 1)
+    n = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(n_new_C, first_eos), sc.max_new_tokens - state.num_out))
+    pos = jnp.where(j < n[:, None], state.num_out[:, None] + j, state.out.shape[1])
+    out = state.out.at[jnp.arange(C)[:, None], pos].set(new_tokens_CP, mode="drop")
+    num_out = state.num_out + n
+    done = state.done | (first_eos <= n) | (num_out >= sc.max_new_tokens)
+    return out, num_out, done
+
+
+# ---- prefill ---------------------------------------------------------------------------------------------
+def prefill(params, dparams, ids_CT, lengths_C, key, *, cfg: ModelConfig, dcfg, sc: StepConfig, impls: ops.Impls,
+            max_len: int) -> DecodeState:
+    """Prompts (right-padded) -> state holding their cache, drafter context and the first token."""
+    C, T = ids_CT.shape
+    layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None else ()
+    logits, rows, feats = target.forward_prefill(params, cfg, ids_CT, lengths_C, impls, layer_ids)
+    cache = kc.write_prefill(kc.init_cache(cfg, C, max_len, rows.dtype), rows, lengths_C)
+    last = jnp.take_along_axis(logits, (lengths_C - 1)[:, None, None], axis=1)[:, 0]
+    key, sub = jax.random.split(key)
+    first = choose(last[:, None], sub, sc)[:, 0]
+    if dcfg is not None and sc.method != "ar":
+        ctx_feats = jnp.concatenate(list(feats), axis=-1)                          # [C, T, n*D]
+        ctx_k, ctx_v = drafter_lib.context_kv(dparams, dcfg, ctx_feats, jnp.broadcast_to(jnp.arange(T), (C, T)))
+        pad = [(0, 0), (0, 0), (0, max_len - T), (0, 0), (0, 0)]
+        ctx_k, ctx_v = jnp.pad(ctx_k, pad), jnp.pad(ctx_v, pad)
+    else:
+        ctx_k = ctx_v = jnp.zeros((0, C, 0, 0, 0), rows.dtype)
+    L = sc.depth
+    state = DecodeState(cache=cache, ctx_k=ctx_k, ctx_v=ctx_v, ctx_len=lengths_C, root=first,
+                        out=jnp.zeros((C, sc.max_new_tokens + L + 1), jnp.int32), num_out=jnp.zeros(C, jnp.int32),
+                        done=jnp.zeros(C, bool), key=key, step=jnp.zeros((), jnp.int32),
+                        accept_lens=jnp.zeros((max_steps(sc), C), jnp.int32))
+    out, num_out, done = _record(state, first[:, None], jnp.ones(C, jnp.int32), sc)
+    return state.replace(out=out, num_out=num_out, done=done)
+
+
+# ---- one step --------------------------------------------------------------------------------------------
+def dflash_propose(params, dparams, state: DecodeState, *, cfg, dcfg, sc):
+    """Draft logits [C, L, V] from the DFlash drafter over its context cache."""
+    return drafter_lib.draft_block(dparams, dcfg, params["embed"], params["lm_head"], state.ctx_k, state.ctx_v,
+                                   state.ctx_len, state.root, state.cache.lengths)
+
+
+def build_tree(draft_logits_CLV, *, sc: StepConfig, impls: ops.Impls):
+    """(tokens [C,B], depths [C,B], parents [C,B+1], num_nodes [C]) for the step's method."""
+    C, L, V = draft_logits_CLV.shape
+    B = sc.tree_size
+    logq, ids = draft_topk(draft_logits_CLV, 1 if sc.method == "chain" else min(B, V))
+    budgets = jnp.full((C,), B, jnp.int32)
+    return ops.tree_build(logq, ids, budgets, max_budget=B, impls=impls)
+
+
+def step(params, dparams, state: DecodeState, *, cfg: ModelConfig, dcfg, sc: StepConfig, impls: ops.Impls,
+         propose: Callable | None = None) -> DecodeState:
+    """One speculative step. `propose(params, dparams, state) -> draft logits [C, L, V]` (default: DFlash)."""
+    C = state.root.shape[0]
+    L, B = sc.depth, sc.tree_size
+    key, k_choice = jax.random.split(state.key)
+    if sc.method == "ar":
+        tokens, depths = jnp.zeros((C, 0), jnp.int32), jnp.zeros((C, 0), jnp.int32)
+        parents, num_nodes = jnp.full((C, 1), -1, jnp.int32), jnp.zeros(C, jnp.int32)
+    else:
+        propose = propose or functools.partial(dflash_propose, cfg=cfg, dcfg=dcfg, sc=sc)
+        tokens, depths, parents, num_nodes = build_tree(propose(params, dparams, state), sc=sc, impls=impls)
+    ids = jnp.concatenate([state.root[:, None], jnp.maximum(tokens, 0)], axis=1)           # [C, B+1]
+    positions = state.cache.lengths[:, None] + jnp.concatenate(
+        [jnp.zeros((C, 1), jnp.int32), jnp.maximum(depths, 0)], axis=1)
+    visibility = visibility_from_parents(parents)
+    layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None and L else ()
+    logits, tail_rows, feats = target.forward_tail(params, cfg, ids, positions, state.cache.rows,
+                                                   state.cache.lengths, visibility, impls, layer_ids)
+    post = choose(logits, k_choice, sc)                                                     # [C, B+1]
+    if sc.method == "ar":
+        path, accept_len, bonus = jnp.zeros((C, 1), jnp.int32), jnp.ones(C, jnp.int32), post[:, 0]
+    else:
+        path, accept_len, bonus = ops.tree_accept(tokens, parents, post, num_nodes, max_depth=L, impls=impls)
+    return commit(state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc)
+
+
+def commit(state: DecodeState, key, ids_CN, tail_rows, feats, path_CP, accept_len_C, bonus_C, dparams, *, dcfg,
+           sc: StepConfig) -> DecodeState:
+    """Scatter accepted rows into the caches, emit path tokens 1.. and the bonus, advance the lengths."""
+    active = ~state.done
+    n = jnp.where(active, accept_len_C, 0)
+    cache = kc.commit_tail(state.cache, tail_rows, path_CP, accept_len_C, active)
+    path_tokens = kc.gather_path(ids_CN, path_CP)                                          # [C, L+1]
+    P = path_CP.shape[1]
+    j = jnp.arange(P)[None]
+    emitted = jnp.where(j + 1 < accept_len_C[:, None], jnp.roll(path_tokens, -1, axis=1), bonus_C[:, None])
+    out, num_out, done = _record(state, emitted, accept_len_C, sc)
+    ctx_k, ctx_v, ctx_len = state.ctx_k, state.ctx_v, state.ctx_len
+    if feats.shape[0] and ctx_k.shape[0]:
+        path_feats = kc.gather_path(jnp.concatenate(list(feats), axis=-1), path_CP)         # [C, P, n*D]
+        new_k, new_v = drafter_lib.context_kv(dparams, dcfg, path_feats, state.cache.lengths[:, None] + j)
+        c = jnp.broadcast_to(jnp.arange(path_CP.shape[0])[:, None], path_CP.shape)
+        pos = jnp.where(j < n[:, None], ctx_len[:, None] + j, ctx_k.shape[2])
+        ctx_k = ctx_k.at[:, c, pos].set(new_k.astype(ctx_k.dtype), mode="drop")
+        ctx_v = ctx_v.at[:, c, pos].set(new_v.astype(ctx_v.dtype), mode="drop")
+        ctx_len = ctx_len + n
+    accept_lens = state.accept_lens.at[state.step].set(n, mode="drop")
+    return state.replace(cache=cache, ctx_k=ctx_k, ctx_v=ctx_v, ctx_len=ctx_len,
+                         root=jnp.where(active, bonus_C, state.root), out=out, num_out=num_out, done=done,
+                         key=key, step=state.step + 1, accept_lens=accept_lens)
+
+
+def decode_loop(params, dparams, state: DecodeState, *, cfg, dcfg, sc: StepConfig, impls: ops.Impls,
+                propose: Callable | None = None) -> DecodeState:
+    """All steps in one lax.while_loop, until every sequence is done."""
+    body = functools.partial(step, params, dparams, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls, propose=propose)
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.step < max_steps(sc)), body, state)
