@@ -9,7 +9,7 @@ layer's keys and values come from [context ; block], its queries from the block 
   output   target lm_head(norm(h)) on rows 1..b-1, times output_multiplier, then softcapped when configured.
 The drafter has no embedding or lm_head of its own: it borrows the target's (embed_VD [V, D], lm_head_DV [D, V]).
 
-Parameter tree (= `nnx.state(DFlashDrafter(...)).to_pure_dict()`; [in, out] layout; n = num_hidden_layers,
+Parameter tree (= `DFlashDrafter(...).params()`; [in, out] layout; n = num_hidden_layers,
 D hidden, F = len(target_layer_ids) * D, Hq/Hkv heads, K head_dim, I intermediate):
   fc [F, D], hidden_norm [D], final_norm [D]
   layers: input_norm [n, D], post_attn_norm [n, D],
@@ -83,7 +83,7 @@ class DFlashDrafter(nnx.Module):
         self.layers = DrafterLayers(cfg, dtype, rngs)
 
     def params(self) -> dict:
-        return nnx.state(self).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(self))
 
     def __call__(self, embed_VD, lm_head_DV, context_features, bonus_ids):
         return draft_logits(self.params(), self.cfg, embed_VD, lm_head_DV, context_features, bonus_ids)
@@ -95,14 +95,16 @@ def init_params(cfg: DrafterConfig, seed: int = 0, dtype=jnp.bfloat16) -> dict:
 
 def abstract_params(cfg: DrafterConfig, dtype=jnp.bfloat16) -> dict:
     """The parameter tree as ShapeDtypeStructs, without allocating it."""
-    return nnx.state(nnx.eval_shape(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0)))).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0)))))
 
 
 # ---- rope (HF Qwen3RotaryEmbedding: rotate-half, cos/sin times attention_factor) -------------------------
 def rope_inv_freq(rope: DrafterRope, head_dim: int) -> np.ndarray:
     """inv_freq [head_dim/2] float32, computed in float32 as HF does (default or YaRN)."""
     dim, base = head_dim, rope.theta
-    pos_freqs = (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)).astype(np.float32)
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    # float32 pow rounded from float64: matches torch's float32 pow where numpy's float32 pow is 1 ulp off.
+    pos_freqs = (np.float64(base) ** exponents.astype(np.float64)).astype(np.float32)
     inv_extrapolation = (1.0 / pos_freqs).astype(np.float32)
     if rope.kind == "default":
         return inv_extrapolation
@@ -208,6 +210,18 @@ def draft_logits(params, cfg: DrafterConfig, embed_VD, lm_head_DV, context_featu
 
     The block [bonus, MASK x (b-1)] sits at positions Tc..Tc+b-1 and attends to all context rows and itself.
     """
+    return _logits(params, cfg, lm_head_DV, _full_forward(params, cfg, embed_VD, context_features, bonus_ids)[-1])
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def draft_hidden_states(params, cfg: DrafterConfig, embed_VD, context_features, bonus_ids):
+    """draft_logits' hidden states: (each layer's output [n, B, b, D], the final-normed block [B, b, D])."""
+    h_layers = _full_forward(params, cfg, embed_VD, context_features, bonus_ids)
+    return h_layers, rms_norm(h_layers[-1], params["final_norm"], cfg.rms_norm_eps)
+
+
+def _full_forward(params, cfg: DrafterConfig, embed_VD, context_features, bonus_ids):
+    """Every layer's block output [n, B, b, D], context at positions 0..Tc-1 and the block after it."""
     ctx_BTD = _context(params, cfg, context_features)
     B, Tc, _ = ctx_BTD.shape
     h = _block_embeddings(params, cfg, embed_VD, bonus_ids)
@@ -218,10 +232,10 @@ def draft_logits(params, cfg: DrafterConfig, embed_VD, lm_head_DV, context_featu
     def body(h, layer):
         k_ctx, v_ctx = _kv(layer["attn"], cfg, ctx_BTD, cos[:, :Tc], sin[:, :Tc])
         attend = lambda q, k, v: _attend(q, jnp.concatenate([k_ctx, k], 1), jnp.concatenate([v_ctx, v], 1))
-        return _layer(layer, cfg, h, cos[:, Tc:], sin[:, Tc:], attend), None
+        h = _layer(layer, cfg, h, cos[:, Tc:], sin[:, Tc:], attend)
+        return h, h
 
-    h, _ = jax.lax.scan(body, h, params["layers"])
-    return _logits(params, cfg, lm_head_DV, h)
+    return jax.lax.scan(body, h, params["layers"])[1]
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
