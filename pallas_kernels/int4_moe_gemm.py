@@ -7,8 +7,15 @@ Each int32 word holds 8 offset-binary nibbles along K, LSB first: input row 8j+k
 and its value is q = nibble - 8 in [-8, 7]. The dequantized weight is bf16(q * scale), rounded once as
 compressed-tensors does, then cast to the activation dtype.
 """
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 GROUP = 32  # input rows per scale
 PACK = 8  # nibbles per int32 word
@@ -91,3 +98,282 @@ def fused_moe_reference(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_pac
     experts = (jnp.arange(w13_packed.shape[0]), w13_packed, w13_scale, w2_packed, w2_scale)
     y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, jnp.float32), experts)
     return y.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- Pallas-Triton path
+
+_WORDS_PER_GROUP = GROUP // PACK  # 4 packed rows share one scale row
+_F32_TWO_POW_23 = 0x4B000000  # bits of float32 2**23; OR-ing a nibble u into the mantissa gives 2**23 + u
+
+
+def _dequant_asm(k):
+    """PTX for nibble k of two words ($1, $2) with their bf16 scales packed in $3 -> bf16x2 weights in $0.
+
+    prmt gathers the 16-bit halves holding nibble k of both words, lop3 makes each half the bf16 128 + u
+    (exponent 2**7, mantissa u), (128 + u) - 136 = q is exact, and the last fma rounds q * scale once.
+    """
+    halves = "0x5410" if k < 4 else "0x7632"
+    shift = f"shr.u32 t, t, {4 * (k % 4)};" if k % 4 else ""
+    return f"""{{
+.reg .b32 t, mask, magic, one, neg136, negzero;
+mov.b32 mask, 0x000F000F;
+mov.b32 magic, 0x43004300;
+mov.b32 one, 0x3F803F80;
+mov.b32 neg136, 0xC308C308;
+mov.b32 negzero, 0x80008000;
+prmt.b32 t, $1, $2, {halves};
+{shift}
+lop3.b32 t, t, mask, magic, 0xEA;
+fma.rn.bf16x2 t, t, one, neg136;
+fma.rn.bf16x2 $0, t, $3, negzero;
+}}"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static kernel configuration. Blocks are powers of two; `block_kw_*` count int32 words (8 K-rows each).
+
+    per_pair: each row block holds a single (token, expert) pair and no sort runs (decode-sized M);
+    otherwise pairs are sorted by expert and each expert's group is padded to `block_m` rows.
+    dequant: "f32" (float32 bit tricks, any dtype, runs in interpret mode) or "asm" (PTX bf16x2, GPU + bf16).
+    """
+    block_m: int = 16
+    block_n_gate_up: int = 64
+    block_n_down: int = 128
+    block_kw_gate_up: int = 32
+    block_kw_down: int = 32
+    split_k_down: int = 1
+    per_pair: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+    dequant: str = "f32"
+
+
+def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
+    """The wrapper's default: per-pair GEMV-like blocks for decode, sorted 16/32-row blocks above."""
+    dequant = "asm" if (jnp.dtype(dtype) == jnp.bfloat16 and not interpret) else "f32"
+    if num_tokens * top_k <= 32:
+        return Tiling(block_m=16, block_n_gate_up=32, block_n_down=64, split_k_down=1, per_pair=True,
+                                    dequant=dequant)
+    if num_tokens <= 256:
+        return Tiling(block_m=16, block_n_gate_up=64, block_n_down=128, dequant=dequant)
+    if num_tokens <= 2048:
+        return Tiling(block_m=32, block_n_gate_up=64, block_n_down=128, num_warps=4, dequant=dequant)
+    return Tiling(block_m=64, block_n_gate_up=128, block_n_down=128, block_kw_gate_up=16,
+                                block_kw_down=16, num_warps=8, num_stages=2, dequant=dequant)
+
+
+def _fit_block(block, dim, minimum, name):
+    """Largest power of two <= block dividing dim, so every tile is in bounds without masks."""
+    while block > minimum and dim % block:
+        block //= 2
+    if dim % block or block < minimum:
+        raise ValueError(f"{name}={dim} needs a power-of-two block >= {minimum} that divides it")
+    return block
+
+
+def fit_tiling(tiling, d, i):
+    """Shrinks the tiling's N and K blocks to divisors of D and I (no weight padding is ever made)."""
+    block_kw_down = _fit_block(tiling.block_kw_down, i // PACK, 16, "I/8 (packed intermediate rows)")
+    return dataclasses.replace(
+        tiling,
+        block_n_gate_up=_fit_block(tiling.block_n_gate_up, i, 16, "I (intermediate size)"),
+        block_n_down=_fit_block(tiling.block_n_down, d, 16, "D (hidden size)"),
+        block_kw_gate_up=_fit_block(tiling.block_kw_gate_up, d // PACK, 16, "D/8 (packed hidden rows)"),
+        block_kw_down=block_kw_down,
+        split_k_down=math.gcd(tiling.split_k_down, i // PACK // block_kw_down))
+
+
+class Routing(NamedTuple):
+    """Sorted routing: pairs grouped by expert, each group padded to block_m rows.
+
+    block_expert [num_blocks] int32: local expert of each row block, -1 for unused trailing blocks.
+    slot_pair [num_blocks * block_m] int32: flat pair index (token * k + j) of each row, -1 for padding.
+    """
+    block_expert: jax.Array
+    slot_pair: jax.Array
+
+
+def sort_routing(local_ids, num_experts, block_m):
+    """local_ids [P] int32 (outside [0, E) = not on this shard) -> Routing, padded to block_m multiples.
+
+    At most P // block_m + min(E, P) blocks are needed (each touched expert adds < 1 partial block).
+    """
+    num_pairs = local_ids.shape[0]
+    num_blocks = num_pairs // block_m + min(num_experts, num_pairs)
+    key = jnp.where((local_ids >= 0) & (local_ids < num_experts), local_ids, num_experts)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sorted_key = key[order]
+    counts = jnp.bincount(key, length=num_experts + 1)[:num_experts]
+    blocks = (counts + block_m - 1) // block_m
+    block_end = jnp.cumsum(blocks)
+    first_slot = (block_end - blocks) * block_m
+    first_rank = jnp.cumsum(counts) - counts
+    expert = jnp.minimum(sorted_key, num_experts - 1)
+    slot = jnp.where(sorted_key < num_experts,
+                                      first_slot[expert] + jnp.arange(num_pairs) - first_rank[expert], num_blocks * block_m)
+    slot_pair = jnp.full((num_blocks * block_m,), -1, jnp.int32).at[slot].set(order, mode="drop")
+    block_expert = jnp.sum(block_end[None, :] <= jnp.arange(num_blocks)[:, None], axis=1, dtype=jnp.int32)
+    block_expert = jnp.where(block_expert < num_experts, block_expert, -1)
+    return Routing(block_expert, slot_pair)
+
+
+def _block_pairs(block, route_refs, *, per_pair, block_m, expert_offset):
+    """(local expert, pair ids [block_m] with -1 = padding) of one row block."""
+    if per_pair:
+        (ids_ref,) = route_refs  # flat topk_ids [P]
+        return ids_ref[block] - expert_offset, jnp.where(jnp.arange(block_m) == 0, block, -1)
+    block_expert_ref, slot_pair_ref = route_refs
+    return block_expert_ref[block], slot_pair_ref[pl.ds(block * block_m, block_m)]
+
+
+def _dequantize_tile(packed, scale, dtype, dequant):
+    """packed [kw, n] int32, scale [kw, n] bf16 (already per word row) -> 8 tiles [kw, n]: nibble k's weights
+    bf16(q * scale) in `dtype`. Tile k holds input rows 8 * word + k."""
+    if dequant == "asm":  # two words per asm instance (pack=2); one instance per nibble
+        return [plgpu.elementwise_inline_asm(
+            _dequant_asm(k), args=[packed, scale], constraints="=r,r,r,r", pack=2,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])[0].astype(dtype)
+            for k in range(PACK)]
+    scale = scale.astype(jnp.float32)
+    tiles = []
+    for k in range(PACK):
+        nibble_bits = ((packed >> (4 * k)) & 0xF) | _F32_TWO_POW_23
+        q = jax.lax.bitcast_convert_type(nibble_bits, jnp.float32) - float(2**23 + 8)
+        w = q * scale  # exact: 4-bit times 8-bit mantissas
+        if dtype == jnp.bfloat16:
+            tiles.append(w.astype(jnp.bfloat16))
+        else:  # round to bf16 by bits (an astype round trip could be dropped as excess precision)
+            bits = jax.lax.bitcast_convert_type(w, jnp.int32)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            tiles.append(jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype))
+    return tiles
+
+
+def _dot(a, b):
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _gate_up_kernel(*refs, per_pair, expert_offset, num_experts, top_k, block_m, block_n, block_kw, dequant):
+    """Program (row block b, I-tile n): h[b rows, n cols] = silu(x @ gate) * up, fp32 accumulation.
+
+    refs: route refs, x [M, D], w13_packed [E, D/8, 2, I], w13_scale [E, D/32, 2, I] -> h [rows, I].
+    """
+    *route_refs, x_ref, w_ref, s_ref, h_ref = refs
+    b, n = pl.program_id(0), pl.program_id(1)
+    expert, pair = _block_pairs(b, route_refs, per_pair=per_pair, block_m=block_m, expert_offset=expert_offset)
+    num_steps = w_ref.shape[1] // block_kw
+
+    @pl.when((expert >= 0) & (expert < num_experts))
+    def _():
+        row_ok = pair >= 0
+        token = jnp.where(row_ok, pair // top_k, 0)
+        cols = pl.ds(n * block_n, block_n)
+
+        def k_step(step, accs):
+            acc_gate, acc_up = accs
+            words = step * block_kw + jnp.arange(block_kw)
+            rows = pl.ds(step * block_kw, block_kw)
+            gate = _dequantize_tile(w_ref[expert, rows, 0, cols], s_ref[expert, words // _WORDS_PER_GROUP, 0, cols],
+                                                            x_ref.dtype, dequant)
+            up = _dequantize_tile(w_ref[expert, rows, 1, cols], s_ref[expert, words // _WORDS_PER_GROUP, 1, cols],
+                                                        x_ref.dtype, dequant)
+            for k in range(PACK):
+                x_k = plgpu.load(x_ref.at[token[:, None], (PACK * words + k)[None, :]], mask=row_ok[:, None], other=0)
+                acc_gate += _dot(x_k, gate[k])
+                acc_up += _dot(x_k, up[k])
+            return acc_gate, acc_up
+
+        zeros = jnp.zeros((block_m, block_n), jnp.float32)
+        acc_gate, acc_up = jax.lax.fori_loop(0, num_steps, k_step, (zeros, zeros))
+        h = acc_gate / (1.0 + jnp.exp(-acc_gate)) * acc_up
+        plgpu.store(h_ref.at[pl.ds(b * block_m, block_m), cols], h.astype(h_ref.dtype), mask=row_ok[:, None])
+
+
+def _down_kernel(*refs, per_pair, expert_offset, num_experts, block_m, block_n, block_kw, steps_per_split,
+                                  dequant):
+    """Program (row block b, D-tile n, K split s): y[s, pairs, n cols] = weight * (h @ down), fp32.
+
+    refs: route refs, topk_weights [P] f32, h [rows, I], w2_packed [E, I/8, D], w2_scale [E, I/32, D]
+    -> y_pairs [S, P + block_m, D] f32 (rows of pairs not on this shard and the spare rows stay unwritten).
+    """
+    *route_refs, weight_ref, h_ref, w_ref, s_ref, y_ref = refs
+    b, n, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    expert, pair = _block_pairs(b, route_refs, per_pair=per_pair, block_m=block_m, expert_offset=expert_offset)
+
+    @pl.when((expert >= 0) & (expert < num_experts))
+    def _():
+        row_ok = pair >= 0
+        pair_safe = jnp.where(row_ok, pair, 0)
+        slots = b * block_m + jnp.arange(block_m)
+        cols = pl.ds(n * block_n, block_n)
+
+        def k_step(step, acc):
+            words = step * block_kw + jnp.arange(block_kw)
+            tiles = _dequantize_tile(w_ref[expert, pl.ds(step * block_kw, block_kw), cols],
+                                                              s_ref[expert, words // _WORDS_PER_GROUP, cols], h_ref.dtype, dequant)
+            for k in range(PACK):
+                h_k = plgpu.load(h_ref.at[slots[:, None], (PACK * words + k)[None, :]], mask=row_ok[:, None], other=0)
+                acc += _dot(h_k, tiles[k])
+            return acc
+
+        first = split * steps_per_split
+        acc = jax.lax.fori_loop(first, first + steps_per_split, k_step, jnp.zeros((block_m, block_n), jnp.float32))
+        weight = plgpu.load(weight_ref.at[pair_safe], mask=row_ok, other=0.0)
+        # Padding rows aim at distinct spare rows past the pairs: masked, so never written on the GPU, and
+        # interpret mode's read-modify-write of a masked scatter cannot clobber a real row.
+        out_rows = jnp.where(row_ok, pair, y_ref.shape[1] - block_m + jnp.arange(block_m))
+        col_ids = n * block_n + jnp.arange(block_n)
+        plgpu.store(y_ref.at[split, out_rows[:, None], col_ids[None, :]], acc * weight[:, None],
+                    mask=row_ok[:, None])
+
+
+def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset=0,
+                            tiling=None, out_dtype=None, interpret=False):
+    """Pallas-Triton fused MoE; same contract as `fused_moe_reference`.
+
+    Routing metadata in XLA (sorted + padded to block_m, or one pair per block when `tiling.per_pair`), then
+    two grouped W4A16 kernels (gate_up with SiLU*up epilogue; down with routing weight, optional split-K),
+    then the top-k (and split) combine in fp32. tiling: None = `choose_tiling` by M; shrunk to divide D, I.
+    """
+    num_experts, d, i = _check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    tiling = fit_tiling(tiling or choose_tiling(num_tokens, top_k, x.dtype, interpret), d, i)
+    if tiling.dequant == "asm" and (interpret or x.dtype != jnp.bfloat16):
+        raise ValueError("tiling.dequant='asm' needs bf16 activations and interpret=False")
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
+    bm = tiling.block_m
+    flat_ids = topk_ids.reshape(-1).astype(jnp.int32)
+    if tiling.per_pair:
+        route, num_blocks = (flat_ids,), num_pairs
+    else:
+        route = sort_routing(flat_ids - expert_offset, num_experts, bm)
+        num_blocks = route.block_expert.shape[0]
+    common = dict(per_pair=tiling.per_pair, expert_offset=expert_offset if tiling.per_pair else 0,
+                                num_experts=num_experts, block_m=bm, dequant=tiling.dequant)
+    params = plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+
+    h = pl.pallas_call(
+            functools.partial(_gate_up_kernel, top_k=top_k, block_n=tiling.block_n_gate_up,
+                                                block_kw=tiling.block_kw_gate_up, **common),
+            out_shape=jax.ShapeDtypeStruct((num_blocks * bm, i), x.dtype),
+            grid=(num_blocks, i // tiling.block_n_gate_up),
+            compiler_params=params, interpret=interpret, name="moe_gate_up",
+    )(*route, x, w13_packed, w13_scale)
+
+    steps = i // PACK // tiling.block_kw_down
+    y_pairs = pl.pallas_call(
+            functools.partial(_down_kernel, block_n=tiling.block_n_down, block_kw=tiling.block_kw_down,
+                                                steps_per_split=steps // tiling.split_k_down, **common),
+            out_shape=jax.ShapeDtypeStruct((tiling.split_k_down, num_pairs + bm, d), jnp.float32),
+            grid=(num_blocks, d // tiling.block_n_down, tiling.split_k_down),
+            compiler_params=params, interpret=interpret, name="moe_down",
+    )(*route, topk_weights.reshape(-1).astype(jnp.float32), h, w2_packed, w2_scale)
+
+    local = flat_ids - expert_offset
+    on_shard = ((local >= 0) & (local < num_experts))[None, :, None]
+    y = jnp.where(on_shard, y_pairs[:, :num_pairs], 0.0).sum(axis=0).reshape(num_tokens, top_k, d).sum(axis=1)
+    return y.astype(out_dtype or x.dtype)
