@@ -163,11 +163,11 @@ def save_drafter_hf(path: str | os.PathLike, cfg: DrafterConfig, params: dict, d
     out_dtype = None if dtype is None else np.dtype(ml_dtypes.bfloat16 if str(dtype) == "bfloat16" else dtype)
 
     def host(x):
-        a = np.asarray(x)
-        return np.ascontiguousarray(a if out_dtype is None else a.astype(out_dtype))
+        return np.ascontiguousarray(x if out_dtype is None else x.astype(out_dtype))
 
     _check_tree(cfg, params)
-    tensors = {name: host(from_tree(np.asarray(params[key]))) for name, (_, key, _, from_tree) in _top_tensors(cfg).items()}
+    tensors = {name: host(from_tree(np.asarray(params[key])))
+               for name, (_, key, _, from_tree) in _top_tensors(cfg).items()}
     for suffix, (_, path_, index, _, from_tree) in _layer_tensors(cfg).items():
         stacked = _leaf(params["layers"], path_)
         for i in range(cfg.num_hidden_layers):

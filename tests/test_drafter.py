@@ -194,6 +194,25 @@ def test_layout_bad_files(tmp_path, edit, match):
         load_drafter_hf(_rewrite(DRAFTER_DIR, tmp_path / "d", edit))
 
 
+def test_layout_reads_sharded_checkpoints(drafter, tmp_path):
+    """A drafter split over two files listed in model.safetensors.index.json reads as the single-file one."""
+    cfg, params = drafter
+    with safe_open(os.path.join(DRAFTER_DIR, "model.safetensors"), "np") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    names = sorted(tensors)
+    weight_map = {n: f"model-0000{1 + (i % 2)}-of-00002.safetensors" for i, n in enumerate(names)}
+    for file in set(weight_map.values()):
+        save_file({n: tensors[n] for n in names if weight_map[n] == file}, os.path.join(tmp_path, file))
+    shutil.copy(os.path.join(DRAFTER_DIR, "config.json"), tmp_path)
+    with open(os.path.join(tmp_path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    _, sharded = load_drafter_hf(tmp_path)
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b), sharded, params))
+    os.remove(os.path.join(tmp_path, "model-00002-of-00002.safetensors"))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        load_drafter_hf(tmp_path)
+
+
 def test_save_rejects_bad_tree(drafter, tmp_path):
     cfg, params = drafter
     bad = jax.tree.map(lambda a: a, params)
