@@ -339,14 +339,26 @@ def make_tiny(out: str, preset: str = "tiny", *, experts: int | None = None, see
     write_weights(out, cfg, seed, shard_bytes or (2_500_000 if preset == "tiny" else 2 << 30))
     write_tokenizer(out, V)
     if drafter if drafter is not None else preset == "tiny":
-        write_drafter(os.path.join(out, "drafter"), cfg, seed + 1)
+        write_drafter(os.path.join(out, "drafter"), text, seed + 1)
     return cfg
 
 
-def write_drafter(out: str, target: ModelConfig, seed: int) -> None:
-    """A tiny DFlash drafter for `target`: hidden = target hidden, 2 layers, block 8, layers [1, 2], mask V-2."""
+def write_drafter(out: str, target_text: dict, seed: int) -> None:
+    """A DFlash drafter for the target: hidden = target hidden, 2 layers, block 8, target layers [1, 2], mask V-2."""
     from convert import dflash_layout
-    dflash_layout.write_random_drafter(out, target, seed=seed)
+    from k26jax.config import DrafterConfig
+    from k26jax.model import drafter
+
+    V = target_text["vocab_size"]
+    dcfg = DrafterConfig.from_dict({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": target_text["hidden_size"],
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "head_dim": 32, "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": 1e-6,
+        "rope_theta": target_text["rope_theta"], "rope_scaling": target_text["rope_scaling"],
+        "max_position_embeddings": target_text["max_position_embeddings"],
+        "num_target_layers": target_text["num_hidden_layers"], "block_size": 8, "vocab_size": V,
+        "tie_word_embeddings": False, "dflash_config": {"mask_token_id": V - 2, "target_layer_ids": [1, 2]}})
+    dflash_layout.save_drafter_hf(out, dcfg, drafter.init_params(dcfg, seed), dtype="bfloat16")
 
 
 def _dump_json(path: str, obj) -> None:
