@@ -59,26 +59,29 @@ def _check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights shape {topk_weights.shape} != topk_ids shape {topk_ids.shape}")
     if w13_packed.ndim != 4 or w13_packed.shape[1:3] != (d // PACK, 2) or w13_packed.dtype != jnp.int32:
-        raise ValueError(f"w13_packed must be int32 [E, D/8={d // PACK}, 2, I], got {w13_packed.shape} {w13_packed.dtype}")
+        raise ValueError(
+            f"w13_packed must be int32 [E, D/8={d // PACK}, 2, I], got {w13_packed.shape} {w13_packed.dtype}")
     e, _, _, i = w13_packed.shape
     if d % GROUP or i % GROUP:
         raise ValueError(f"D={d} and I={i} must be multiples of {GROUP}")
     if w13_scale.shape != (e, d // GROUP, 2, i):
         raise ValueError(f"w13_scale must be [E, D/32, 2, I]={(e, d // GROUP, 2, i)}, got {w13_scale.shape}")
     if w2_packed.shape != (e, i // PACK, d) or w2_packed.dtype != jnp.int32:
-        raise ValueError(f"w2_packed must be int32 [E, I/8, D]={(e, i // PACK, d)}, got {w2_packed.shape} {w2_packed.dtype}")
+        raise ValueError(
+            f"w2_packed must be int32 [E, I/8, D]={(e, i // PACK, d)}, got {w2_packed.shape} {w2_packed.dtype}")
     if w2_scale.shape != (e, i // GROUP, d):
         raise ValueError(f"w2_scale must be [E, I/32, D]={(e, i // GROUP, d)}, got {w2_scale.shape}")
     return e, d, i
 
 
 def fused_moe_reference(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *,
-                        expert_offset=0):
-    """Plain-jnp fused MoE. x [M, D], topk_ids [M, k] int, topk_weights [M, k] -> y [M, D] (x.dtype).
+                        expert_offset=0, out_dtype=None):
+    """Plain-jnp fused MoE. x [M, D], topk_ids [M, k] int, topk_weights [M, k] -> y [M, D] (out_dtype or x.dtype).
 
     y[m] = sum_j topk_weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = topk_ids[m, j] - expert_offset;
-    ids outside [expert_offset, expert_offset + E) contribute nothing. Scans over the E local experts (one
-    dequantized expert live at a time) and combines with a per-token coefficient, so memory stays O(M*D + D*I).
+    ids outside [expert_offset, expert_offset + E) contribute nothing. Gate/up and down accumulate in fp32,
+    h is cast to x.dtype, the top-k sum is fp32. Scans over the E local experts (one dequantized expert live
+    at a time) and combines with a per-token coefficient, so memory stays O(M*D + D*I).
     """
     _check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
     local_ids = topk_ids.astype(jnp.int32) - expert_offset
@@ -97,7 +100,7 @@ def fused_moe_reference(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_pac
 
     experts = (jnp.arange(w13_packed.shape[0]), w13_packed, w13_scale, w2_packed, w2_scale)
     y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, jnp.float32), experts)
-    return y.astype(x.dtype)
+    return y.astype(out_dtype or x.dtype)
 
 
 # ----------------------------------------------------------------------------- Pallas-Triton path
@@ -134,7 +137,8 @@ class Tiling:
     """Static kernel configuration. Blocks are powers of two; `block_kw_*` count int32 words (8 K-rows each).
 
     per_pair: each row block holds a single (token, expert) pair and no sort runs (decode-sized M);
-    otherwise pairs are sorted by expert and each expert's group is padded to `block_m` rows.
+        otherwise pairs are sorted by expert and each expert's group is padded to `block_m` rows.
+    split_k_down: the down GEMM's K (I) is split over this many programs, partials summed in the combine.
     dequant: "f32" (float32 bit tricks, any dtype, runs in interpret mode) or "asm" (PTX bf16x2, GPU + bf16).
     """
     block_m: int = 16
@@ -150,21 +154,20 @@ class Tiling:
 
 
 def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
-    """The wrapper's default: per-pair GEMV-like blocks for decode, sorted 16/32-row blocks above."""
+    """The wrapper's default tiling for M = num_tokens (see bench/moe_gemm.md for the measurements)."""
     dequant = "asm" if (jnp.dtype(dtype) == jnp.bfloat16 and not interpret) else "f32"
-    if num_tokens * top_k <= 32:
-        return Tiling(block_m=16, block_n_gate_up=32, block_n_down=64, split_k_down=1, per_pair=True,
-                                    dequant=dequant)
+    if num_tokens * top_k <= 32:  # decode: one pair per block, narrow N tiles for many programs
+        return Tiling(block_m=16, block_n_gate_up=32, block_n_down=64, per_pair=True, dequant=dequant)
     if num_tokens <= 256:
         return Tiling(block_m=16, block_n_gate_up=64, block_n_down=128, dequant=dequant)
     if num_tokens <= 2048:
-        return Tiling(block_m=32, block_n_gate_up=64, block_n_down=128, num_warps=4, dequant=dequant)
-    return Tiling(block_m=64, block_n_gate_up=128, block_n_down=128, block_kw_gate_up=16,
-                                block_kw_down=16, num_warps=8, num_stages=2, dequant=dequant)
+        return Tiling(block_m=32, block_n_gate_up=64, block_n_down=128, dequant=dequant)
+    return Tiling(block_m=64, block_n_gate_up=128, block_n_down=128, block_kw_gate_up=16, block_kw_down=16,
+                  num_warps=8, num_stages=2, dequant=dequant)
 
 
 def _fit_block(block, dim, minimum, name):
-    """Largest power of two <= block dividing dim, so every tile is in bounds without masks."""
+    """Largest power of two <= block dividing dim, so every weight tile is in bounds without masks."""
     while block > minimum and dim % block:
         block //= 2
     if dim % block or block < minimum:
@@ -173,7 +176,7 @@ def _fit_block(block, dim, minimum, name):
 
 
 def fit_tiling(tiling, d, i):
-    """Shrinks the tiling's N and K blocks to divisors of D and I (no weight padding is ever made)."""
+    """Shrinks N and K blocks to divisors of D and I (weights are never padded or copied)."""
     block_kw_down = _fit_block(tiling.block_kw_down, i // PACK, 16, "I/8 (packed intermediate rows)")
     return dataclasses.replace(
         tiling,
@@ -195,9 +198,9 @@ class Routing(NamedTuple):
 
 
 def sort_routing(local_ids, num_experts, block_m):
-    """local_ids [P] int32 (outside [0, E) = not on this shard) -> Routing, padded to block_m multiples.
+    """local_ids [P] int32 (outside [0, E) = not on this shard) -> Routing padded to block_m multiples.
 
-    At most P // block_m + min(E, P) blocks are needed (each touched expert adds < 1 partial block).
+    Sizes are static: at most P // block_m + min(E, P) blocks, as each touched expert adds < 1 partial block.
     """
     num_pairs = local_ids.shape[0]
     num_blocks = num_pairs // block_m + min(num_experts, num_pairs)
@@ -210,40 +213,39 @@ def sort_routing(local_ids, num_experts, block_m):
     first_slot = (block_end - blocks) * block_m
     first_rank = jnp.cumsum(counts) - counts
     expert = jnp.minimum(sorted_key, num_experts - 1)
-    slot = jnp.where(sorted_key < num_experts,
-                                      first_slot[expert] + jnp.arange(num_pairs) - first_rank[expert], num_blocks * block_m)
+    rank = jnp.arange(num_pairs) - first_rank[expert]
+    slot = jnp.where(sorted_key < num_experts, first_slot[expert] + rank, num_blocks * block_m)
     slot_pair = jnp.full((num_blocks * block_m,), -1, jnp.int32).at[slot].set(order, mode="drop")
     block_expert = jnp.sum(block_end[None, :] <= jnp.arange(num_blocks)[:, None], axis=1, dtype=jnp.int32)
-    block_expert = jnp.where(block_expert < num_experts, block_expert, -1)
-    return Routing(block_expert, slot_pair)
+    return Routing(jnp.where(block_expert < num_experts, block_expert, -1), slot_pair)
 
 
-def _block_pairs(block, route_refs, *, per_pair, block_m, expert_offset):
+def _block_pairs(block, route_refs, *, per_pair, block_m):
     """(local expert, pair ids [block_m] with -1 = padding) of one row block."""
     if per_pair:
-        (ids_ref,) = route_refs  # flat topk_ids [P]
-        return ids_ref[block] - expert_offset, jnp.where(jnp.arange(block_m) == 0, block, -1)
+        (local_ids_ref,) = route_refs  # [P]: expert of each pair minus expert_offset
+        return local_ids_ref[block], jnp.where(jnp.arange(block_m) == 0, block, -1)
     block_expert_ref, slot_pair_ref = route_refs
     return block_expert_ref[block], slot_pair_ref[pl.ds(block * block_m, block_m)]
 
 
 def _dequantize_tile(packed, scale, dtype, dequant):
-    """packed [kw, n] int32, scale [kw, n] bf16 (already per word row) -> 8 tiles [kw, n]: nibble k's weights
-    bf16(q * scale) in `dtype`. Tile k holds input rows 8 * word + k."""
-    if dequant == "asm":  # two words per asm instance (pack=2); one instance per nibble
+    """packed [kw, n] int32, scale [kw, n] bf16 (one row per word) -> 8 tiles [kw, n] of bf16(q * scale) in
+    `dtype`; tile k holds input rows 8 * word + k."""
+    if dequant == "asm":  # one asm instance handles two words (pack=2) for one nibble
         return [plgpu.elementwise_inline_asm(
-            _dequant_asm(k), args=[packed, scale], constraints="=r,r,r,r", pack=2,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])[0].astype(dtype)
-            for k in range(PACK)]
+                    _dequant_asm(k), args=[packed, scale], constraints="=r,r,r,r", pack=2,
+                    result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])[0].astype(dtype)
+                for k in range(PACK)]
     scale = scale.astype(jnp.float32)
     tiles = []
     for k in range(PACK):
         nibble_bits = ((packed >> (4 * k)) & 0xF) | _F32_TWO_POW_23
         q = jax.lax.bitcast_convert_type(nibble_bits, jnp.float32) - float(2**23 + 8)
-        w = q * scale  # exact: 4-bit times 8-bit mantissas
+        w = q * scale  # exact: a 4-bit times an 8-bit significand
         if dtype == jnp.bfloat16:
             tiles.append(w.astype(jnp.bfloat16))
-        else:  # round to bf16 by bits (an astype round trip could be dropped as excess precision)
+        else:  # round to bf16 on the bits: interpret mode's XLA may drop an f32->bf16->f32 round trip
             bits = jax.lax.bitcast_convert_type(w, jnp.int32)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
             tiles.append(jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype))
@@ -255,15 +257,15 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
 
 
-def _gate_up_kernel(*refs, per_pair, expert_offset, num_experts, top_k, block_m, block_n, block_kw, dequant):
-    """Program (row block b, I-tile n): h[b rows, n cols] = silu(x @ gate) * up, fp32 accumulation.
+def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block_kw, dequant):
+    """Program (row block b, I tile n): h[rows of b, cols of n] = silu(x @ gate) * up, fp32 accumulation.
 
     refs: route refs, x [M, D], w13_packed [E, D/8, 2, I], w13_scale [E, D/32, 2, I] -> h [rows, I].
+    x columns are gathered with stride 8 so that each nibble's tile multiplies its own input rows.
     """
     *route_refs, x_ref, w_ref, s_ref, h_ref = refs
     b, n = pl.program_id(0), pl.program_id(1)
-    expert, pair = _block_pairs(b, route_refs, per_pair=per_pair, block_m=block_m, expert_offset=expert_offset)
-    num_steps = w_ref.shape[1] // block_kw
+    expert, pair = _block_pairs(b, route_refs, per_pair=per_pair, block_m=block_m)
 
     @pl.when((expert >= 0) & (expert < num_experts))
     def _():
@@ -275,52 +277,54 @@ def _gate_up_kernel(*refs, per_pair, expert_offset, num_experts, top_k, block_m,
             acc_gate, acc_up = accs
             words = step * block_kw + jnp.arange(block_kw)
             rows = pl.ds(step * block_kw, block_kw)
-            gate = _dequantize_tile(w_ref[expert, rows, 0, cols], s_ref[expert, words // _WORDS_PER_GROUP, 0, cols],
-                                                            x_ref.dtype, dequant)
-            up = _dequantize_tile(w_ref[expert, rows, 1, cols], s_ref[expert, words // _WORDS_PER_GROUP, 1, cols],
-                                                        x_ref.dtype, dequant)
+            scale_rows = words // _WORDS_PER_GROUP
+            gate = _dequantize_tile(w_ref[expert, rows, 0, cols], s_ref[expert, scale_rows, 0, cols],
+                                    x_ref.dtype, dequant)
+            up = _dequantize_tile(w_ref[expert, rows, 1, cols], s_ref[expert, scale_rows, 1, cols],
+                                  x_ref.dtype, dequant)
             for k in range(PACK):
-                x_k = plgpu.load(x_ref.at[token[:, None], (PACK * words + k)[None, :]], mask=row_ok[:, None], other=0)
+                x_k = plgpu.load(x_ref.at[token[:, None], (PACK * words + k)[None, :]],
+                                 mask=row_ok[:, None], other=0)
                 acc_gate += _dot(x_k, gate[k])
                 acc_up += _dot(x_k, up[k])
             return acc_gate, acc_up
 
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
-        acc_gate, acc_up = jax.lax.fori_loop(0, num_steps, k_step, (zeros, zeros))
+        acc_gate, acc_up = jax.lax.fori_loop(0, w_ref.shape[1] // block_kw, k_step, (zeros, zeros))
         h = acc_gate / (1.0 + jnp.exp(-acc_gate)) * acc_up
         plgpu.store(h_ref.at[pl.ds(b * block_m, block_m), cols], h.astype(h_ref.dtype), mask=row_ok[:, None])
 
 
-def _down_kernel(*refs, per_pair, expert_offset, num_experts, block_m, block_n, block_kw, steps_per_split,
-                                  dequant):
-    """Program (row block b, D-tile n, K split s): y[s, pairs, n cols] = weight * (h @ down), fp32.
+def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps_per_split, dequant):
+    """Program (row block b, D tile n, K split s): y[s, pairs of b, cols of n] = weight * (h @ down), fp32.
 
     refs: route refs, topk_weights [P] f32, h [rows, I], w2_packed [E, I/8, D], w2_scale [E, I/32, D]
-    -> y_pairs [S, P + block_m, D] f32 (rows of pairs not on this shard and the spare rows stay unwritten).
+    -> y_pairs [S, P + block_m, D] f32 (rows of pairs off this shard and the spare rows stay unwritten).
     """
     *route_refs, weight_ref, h_ref, w_ref, s_ref, y_ref = refs
     b, n, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    expert, pair = _block_pairs(b, route_refs, per_pair=per_pair, block_m=block_m, expert_offset=expert_offset)
+    expert, pair = _block_pairs(b, route_refs, per_pair=per_pair, block_m=block_m)
 
     @pl.when((expert >= 0) & (expert < num_experts))
     def _():
         row_ok = pair >= 0
-        pair_safe = jnp.where(row_ok, pair, 0)
         slots = b * block_m + jnp.arange(block_m)
         cols = pl.ds(n * block_n, block_n)
 
         def k_step(step, acc):
             words = step * block_kw + jnp.arange(block_kw)
             tiles = _dequantize_tile(w_ref[expert, pl.ds(step * block_kw, block_kw), cols],
-                                                              s_ref[expert, words // _WORDS_PER_GROUP, cols], h_ref.dtype, dequant)
+                                     s_ref[expert, words // _WORDS_PER_GROUP, cols], h_ref.dtype, dequant)
             for k in range(PACK):
-                h_k = plgpu.load(h_ref.at[slots[:, None], (PACK * words + k)[None, :]], mask=row_ok[:, None], other=0)
+                h_k = plgpu.load(h_ref.at[slots[:, None], (PACK * words + k)[None, :]],
+                                 mask=row_ok[:, None], other=0)
                 acc += _dot(h_k, tiles[k])
             return acc
 
         first = split * steps_per_split
-        acc = jax.lax.fori_loop(first, first + steps_per_split, k_step, jnp.zeros((block_m, block_n), jnp.float32))
-        weight = plgpu.load(weight_ref.at[pair_safe], mask=row_ok, other=0.0)
+        acc = jax.lax.fori_loop(first, first + steps_per_split, k_step,
+                                jnp.zeros((block_m, block_n), jnp.float32))
+        weight = plgpu.load(weight_ref.at[jnp.where(row_ok, pair, 0)], mask=row_ok, other=0.0)
         # Padding rows aim at distinct spare rows past the pairs: masked, so never written on the GPU, and
         # interpret mode's read-modify-write of a masked scatter cannot clobber a real row.
         out_rows = jnp.where(row_ok, pair, y_ref.shape[1] - block_m + jnp.arange(block_m))
@@ -330,50 +334,84 @@ def _down_kernel(*refs, per_pair, expert_offset, num_experts, block_m, block_n, 
 
 
 def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset=0,
-                            tiling=None, out_dtype=None, interpret=False):
-    """Pallas-Triton fused MoE; same contract as `fused_moe_reference`.
+              tiling=None, out_dtype=None, interpret=False):
+    """Pallas-Triton fused MoE with the contract of `fused_moe_reference`.
 
-    Routing metadata in XLA (sorted + padded to block_m, or one pair per block when `tiling.per_pair`), then
-    two grouped W4A16 kernels (gate_up with SiLU*up epilogue; down with routing weight, optional split-K),
-    then the top-k (and split) combine in fp32. tiling: None = `choose_tiling` by M; shrunk to divide D, I.
+    Routing metadata in XLA (pairs sorted by expert and padded to block_m rows, or one pair per block when
+    `tiling.per_pair`), then two grouped W4A16 kernels (gate_up with the SiLU*up epilogue; down with the
+    routing weight and optional split-K), then the fp32 top-k (and split) combine in XLA.
+    tiling: None = `choose_tiling(M)`; its N/K blocks are shrunk to divide D and I. expert_offset may be traced.
     """
     num_experts, d, i = _check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     tiling = fit_tiling(tiling or choose_tiling(num_tokens, top_k, x.dtype, interpret), d, i)
     if tiling.dequant == "asm" and (interpret or x.dtype != jnp.bfloat16):
-        raise ValueError("tiling.dequant='asm' needs bf16 activations and interpret=False")
-    if x.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
+        raise ValueError("tiling.dequant='asm' needs bf16 x and interpret=False")
     bm = tiling.block_m
-    flat_ids = topk_ids.reshape(-1).astype(jnp.int32)
+    local_ids = topk_ids.reshape(-1).astype(jnp.int32) - expert_offset
     if tiling.per_pair:
-        route, num_blocks = (flat_ids,), num_pairs
+        route, num_blocks = (local_ids,), num_pairs
     else:
-        route = sort_routing(flat_ids - expert_offset, num_experts, bm)
+        route = sort_routing(local_ids, num_experts, bm)
         num_blocks = route.block_expert.shape[0]
-    common = dict(per_pair=tiling.per_pair, expert_offset=expert_offset if tiling.per_pair else 0,
-                                num_experts=num_experts, block_m=bm, dequant=tiling.dequant)
+    common = dict(per_pair=tiling.per_pair, num_experts=num_experts, block_m=bm, dequant=tiling.dequant)
     params = plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
 
     h = pl.pallas_call(
-            functools.partial(_gate_up_kernel, top_k=top_k, block_n=tiling.block_n_gate_up,
-                                                block_kw=tiling.block_kw_gate_up, **common),
-            out_shape=jax.ShapeDtypeStruct((num_blocks * bm, i), x.dtype),
-            grid=(num_blocks, i // tiling.block_n_gate_up),
-            compiler_params=params, interpret=interpret, name="moe_gate_up",
+        functools.partial(_gate_up_kernel, top_k=top_k, block_n=tiling.block_n_gate_up,
+                          block_kw=tiling.block_kw_gate_up, **common),
+        out_shape=jax.ShapeDtypeStruct((num_blocks * bm, i), x.dtype),
+        grid=(num_blocks, i // tiling.block_n_gate_up),
+        compiler_params=params, interpret=interpret, name="moe_gate_up",
     )(*route, x, w13_packed, w13_scale)
 
     steps = i // PACK // tiling.block_kw_down
     y_pairs = pl.pallas_call(
-            functools.partial(_down_kernel, block_n=tiling.block_n_down, block_kw=tiling.block_kw_down,
-                                                steps_per_split=steps // tiling.split_k_down, **common),
-            out_shape=jax.ShapeDtypeStruct((tiling.split_k_down, num_pairs + bm, d), jnp.float32),
-            grid=(num_blocks, d // tiling.block_n_down, tiling.split_k_down),
-            compiler_params=params, interpret=interpret, name="moe_down",
+        functools.partial(_down_kernel, block_n=tiling.block_n_down, block_kw=tiling.block_kw_down,
+                          steps_per_split=steps // tiling.split_k_down, **common),
+        out_shape=jax.ShapeDtypeStruct((tiling.split_k_down, num_pairs + bm, d), jnp.float32),
+        grid=(num_blocks, d // tiling.block_n_down, tiling.split_k_down),
+        compiler_params=params, interpret=interpret, name="moe_down",
     )(*route, topk_weights.reshape(-1).astype(jnp.float32), h, w2_packed, w2_scale)
 
-    local = flat_ids - expert_offset
-    on_shard = ((local >= 0) & (local < num_experts))[None, :, None]
-    y = jnp.where(on_shard, y_pairs[:, :num_pairs], 0.0).sum(axis=0).reshape(num_tokens, top_k, d).sum(axis=1)
-    return y.astype(out_dtype or x.dtype)
+    on_shard = ((local_ids >= 0) & (local_ids < num_experts))[None, :, None]
+    y = jnp.where(on_shard, y_pairs[:, :num_pairs], 0.0).sum(axis=0)
+    return y.reshape(num_tokens, top_k, d).sum(axis=1).astype(out_dtype or x.dtype)
+
+
+def fused_moe_sharded(mesh, *, axis="model", mode="ep", impl="pallas", interpret=False, tiling=None):
+    """fused_moe under shard_map over mesh axis `axis`. Returns f(x, topk_ids, topk_weights, w13_packed,
+    w13_scale, w2_packed, w2_scale) -> y [M, D]; activations and routing are replicated over `axis`.
+
+    mode="ep": experts split (shard s owns experts [s * E_local, (s + 1) * E_local)).
+    mode="tp": the intermediate dim I split (w13 on its last axis, w2 on its I/8 and I/32 axes).
+    Each shard's fp32 partial output is psum'ed over `axis`, then cast to x.dtype.
+    """
+    if mode not in ("ep", "tp"):
+        raise ValueError(f"mode must be 'ep' or 'tp', got {mode!r}")
+    if impl not in ("pallas", "reference"):
+        raise ValueError(f"impl must be 'pallas' or 'reference', got {impl!r}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis {axis!r} is not one of the mesh axes {mesh.axis_names}")
+    spec = jax.sharding.PartitionSpec
+    if mode == "ep":
+        weight_specs = (spec(axis),) * 4
+    else:
+        weight_specs = (spec(None, None, None, axis),) * 2 + (spec(None, axis, None),) * 2
+
+    def local_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
+        offset = jax.lax.axis_index(axis) * w13_packed.shape[0] if mode == "ep" else 0
+        weights = (w13_packed, w13_scale, w2_packed, w2_scale)
+        if impl == "pallas":
+            y = fused_moe(x, topk_ids, topk_weights, *weights, expert_offset=offset, tiling=tiling,
+                          out_dtype=jnp.float32, interpret=interpret)
+        else:
+            y = fused_moe_reference(x, topk_ids, topk_weights, *weights, expert_offset=offset,
+                                    out_dtype=jnp.float32)
+        return jax.lax.psum(y, axis).astype(x.dtype)
+
+    return jax.shard_map(local_moe, mesh=mesh, in_specs=(spec(), spec(), spec(), *weight_specs),
+                         out_specs=spec(), check_vma=False)
