@@ -1,0 +1,249 @@
+"""Benchmark the DDTree tree build and acceptance walk: Pallas kernels vs CPU heapq vs plain XLA.
+
+Per (batch C, budget B, depth L), all requests at budget B with K = B candidates per depth:
+  gpu_build_us    tree_build kernel, device time per call: N calls in one jit, each call's budgets taken
+                  from the previous call's num_nodes (so they serialize), median of repeats / N
+  cpu_heapq_ms    k26jax.ddtree end to end as SGLang does it: device-to-host copy of logq/ids [C, L, K]
+                  + build_tree_from_topk per request (incl. its visibility), median over fresh inputs
+  xla_fori_us     tree_build_reference (lax.fori_loop over pops), C in {1, 64} only
+  accept_us       tree_accept kernel with a target that agrees along first children (deepest walk)
+  visibility_us   visibility_from_parents (XLA) on the kernel's parents
+The copy and bf16-matmul ceilings are measured in the same run. Results go to --out as JSON after every
+configuration, so a run stopped by its deadline keeps what it measured.
+
+GPU:  PYTHONUNBUFFERED=1 timeout 140 python3 scripts/bench_tree.py --out $OUT/tree_h200.json
+CPU smoke (interpret mode):  python scripts/bench_tree.py --quick --out /tmp/tree_cpu.json
+"""
+import argparse
+import datetime
+import functools
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from k26jax import ddtree  # noqa: E402
+from pallas_kernels.tree_accept import tree_accept, tree_accept_reference  # noqa: E402
+from pallas_kernels.tree_build import draft_topk, tree_build, tree_build_reference, visibility_from_parents  # noqa: E402
+
+DRAFT_VOCAB = 8192          # drafter logits per depth used to make logq/ids (the tree only sees the top-K)
+
+
+def device_seconds(fn, sets, repeats, calls=None):
+    """Median wall time per call of `fn(sets)` (jitted, after a warm-up call) making `calls` calls (len(sets))."""
+    jitted = jax.jit(fn)
+    out = jax.block_until_ready(jitted(sets))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(jitted(sets))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / (calls or len(sets)), out
+
+
+def ceilings(quick):
+    """Copy bandwidth (x + 1, bytes read + written) and bf16 matmul rate with XLA on this device."""
+    n = 1 << (20 if quick else 28)
+    x = jnp.zeros(n, jnp.float32)
+    copy_s, _ = device_seconds(lambda xs: [xs[0] + 1], [x], 3 if quick else 10)
+    m = 256 if quick else 8192
+    a = jnp.ones((m, m), jnp.bfloat16)
+    dot_s, _ = device_seconds(lambda ab: [ab[0] @ ab[1]], [a, a], 3 if quick else 10)
+    return {"copy_TBps": 2 * 4 * n / copy_s / 1e12, "copy_bytes": 2 * 4 * n,
+            "matmul_bf16_TFLOPs": 2 * m ** 3 / dot_s / 1e12, "matmul_dim": m}
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "budget"))
+def _draft_set(key, shape, budget):
+    """Peaked draft logits [C, L, DRAFT_VOCAB] (one spiked token per depth, top-1 prob ~10-99%) -> top-K."""
+    noise_key, spike_key, token_key = jax.random.split(key, 3)
+    logits = jax.random.normal(noise_key, shape)
+    spike = jax.random.uniform(spike_key, shape[:2] + (1,), minval=7.5, maxval=13.5)
+    token = jax.random.randint(token_key, shape[:2] + (1,), 0, DRAFT_VOCAB)
+    logits = jnp.where(jnp.arange(DRAFT_VOCAB) == token, logits + spike, logits)
+    return draft_topk(logits, budget)
+
+
+def make_sets(key, num_sets, num_requests, budget, depth):
+    """`num_sets` independent (logq, ids) [C, L, K=B]."""
+    keys = jax.random.split(key, num_sets)
+    return jax.block_until_ready([_draft_set(k, (num_requests, depth, DRAFT_VOCAB), budget) for k in keys])
+
+
+def greedy_post(tokens, parents, num_nodes, rng):
+    """Target choice per node: its first drafted child's token, or a token no child has."""
+    num_requests, budget = tokens.shape
+    post = rng.integers(DRAFT_VOCAB, 2 * DRAFT_VOCAB, (num_requests, budget + 1))
+    for c in range(num_requests):
+        children = np.arange(num_nodes[c], 0, -1)        # highest index first: the first child is written last
+        post[c, parents[c, children]] = tokens[c, children - 1]
+    return jnp.asarray(post, jnp.int32)
+
+
+def measure(row, key, thunk):
+    """row[key] = thunk(); a failure is recorded as row[key + '_error'] instead of ending the run."""
+    try:
+        row[key] = thunk()
+    except Exception as error:  # noqa: BLE001 -- one GPU run: keep every other figure
+        row[key + "_error"] = repr(error)[:400]
+        print(f"{key} failed: {error!r}"[:400], flush=True)
+
+
+def bench_config(num_requests, budget, depth, args, key, num_warps=None):
+    n, repeats, interpret = args.calls, args.repeats, args.quick
+    sets = make_sets(key, n + args.cpu_repeats, num_requests, budget, depth)
+    budgets = jnp.full((num_requests,), budget, jnp.int32)
+    rng = np.random.default_rng(budget * 1000 + num_requests)
+    row = dict(kind="build" if num_warps is None else "num_warps_sweep", C=num_requests, B=budget, L=depth,
+               K=budget, num_warps=num_warps)
+
+    # CPU heapq end to end on inputs never fetched before (jax caches host copies)
+    copy_times, build_times = [], []
+    for logq, ids in sets[n:]:
+        start = time.perf_counter()
+        logq_host, ids_host = jax.device_get((logq, ids))
+        copied = time.perf_counter()
+        for c in range(num_requests):
+            ddtree.build_tree_from_topk(logq_host[c], ids_host[c], budget)
+        build_times.append(time.perf_counter() - copied)
+        copy_times.append(copied - start)
+    row["cpu_copy_ms"] = 1e3 * statistics.median(copy_times)
+    row["cpu_build_ms"] = 1e3 * statistics.median(build_times)
+    row["cpu_heapq_ms"] = 1e3 * statistics.median(np.add(copy_times, build_times))
+
+    def build_chain(build, **kw):
+        def run(input_sets):
+            outs, chained = [], budgets
+            for logq, ids in input_sets:
+                out = build(logq, ids, chained, max_budget=budget, **kw)
+                outs.append(out)
+                chained = out[3]
+            return outs
+        return run
+
+    timed = {}
+
+    def gpu_build():
+        seconds, timed["outs"] = device_seconds(
+            build_chain(tree_build, interpret=interpret, num_warps=num_warps), sets[:n], repeats)
+        return 1e6 * seconds
+
+    measure(row, "gpu_build_us", gpu_build)
+    if args.loop_variant:                         # same chain as one lax.fori_loop over a single input set
+        def loop_chain(input_sets):
+            logq, ids = input_sets[0]
+            build = functools.partial(tree_build, logq, ids, max_budget=budget, interpret=interpret)
+            return jax.lax.fori_loop(0, n - 1, lambda _, out: build(out[3]), build(budgets))
+        measure(row, "gpu_build_fori_us", lambda: 1e6 * device_seconds(loop_chain, sets[:1], repeats, calls=n)[0])
+    if "outs" not in timed:
+        return row
+    outs = timed["outs"]
+    tokens, depths, parents, num_nodes = jax.device_get(outs[0])
+    logq0, ids0 = jax.device_get(sets[0])
+    trees = [ddtree.build_tree_from_topk(logq0[c], ids0[c], budget) for c in range(num_requests)]
+    row["matches_reference"] = all(np.array_equal(tokens[c], tree.tokens) and np.array_equal(parents[c], tree.parents)
+                                   for c, tree in enumerate(trees))
+    row["mean_depth"] = float(depths[depths > 0].mean())
+    row["max_depth"] = int(depths.max())
+    row["speedup_vs_cpu"] = 1e3 * row["cpu_heapq_ms"] / row["gpu_build_us"]
+    if num_warps is not None:
+        return row
+
+    tree_parents = [out[2] for out in outs]
+    measure(row, "visibility_us", lambda: 1e6 * device_seconds(
+        lambda ps: [visibility_from_parents(p, max_depth=depth) for p in ps], tree_parents, repeats)[0])
+
+    accept_sets = []
+    for out in outs:
+        tokens_n, _, parents_n, nodes_n = jax.device_get(out)
+        accept_sets.append((out[0], out[2], greedy_post(tokens_n, parents_n, nodes_n, rng), out[3]))
+
+    def gpu_accept():
+        seconds, accepted = device_seconds(
+            lambda sets_: [tree_accept(*s, max_depth=depth, interpret=interpret) for s in sets_], accept_sets, repeats)
+        path, accept_len, bonus = jax.device_get(accepted[0])
+        post0 = np.asarray(accept_sets[0][2])
+        walks = [ddtree.follow_tree(tokens[c], parents[c], post0[c]) for c in range(num_requests)]
+        row["accept_matches_walk"] = all(accept_len[c] == len(w[0]) and bonus[c] == w[1] and
+                                         path[c, :len(w[0])].tolist() == w[0] for c, w in enumerate(walks))
+        row["mean_accept_len"] = float(accept_len.mean())
+        return 1e6 * seconds
+
+    measure(row, "accept_us", gpu_accept)
+    if num_requests in (1, 64) or args.quick:
+        few = max(2, n // 8)
+        measure(row, "xla_fori_us", lambda: 1e6 * device_seconds(
+            build_chain(tree_build_reference), sets[:few], repeats)[0])
+        if "xla_fori_us" in row and "gpu_build_us" in row:
+            row["speedup_vs_xla"] = row["xla_fori_us"] / row["gpu_build_us"]
+        measure(row, "accept_reference_us", lambda: 1e6 * device_seconds(
+            lambda sets_: [tree_accept_reference(*s, max_depth=depth) for s in sets_], accept_sets, repeats)[0])
+    return row
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON path")
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: interpret mode, tiny sizes")
+    parser.add_argument("--calls", type=int, default=16, help="kernel calls per timed jit (N)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cpu-repeats", type=int, default=3, help="fresh input sets for the CPU timing")
+    parser.add_argument("--deadline-s", type=float, default=115.0, help="stop starting configurations after this")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    if args.quick:
+        args.calls, args.repeats, args.cpu_repeats = 2, 2, 2
+        batches, budgets, depths = (1, 4), (16, 32), (7,)
+        sweep = [(4, 16, 7, 2)]
+    else:
+        batches, budgets, depths = (1, 8, 32, 64), (16, 32, 64, 128, 256), (7, 15)
+        sweep = [(64, b, 15, w) for b in (64, 256) for w in (1, 2, 4, 8)]
+    configs = sorted(itertools.product(batches, budgets, depths),     # the targets first: B=64 at C=1 and 64
+                     key=lambda cfg: (cfg[1] != 64, cfg[0] not in (1, 64), cfg[1], cfg[0], cfg[2]))
+    todo = [(cfg, None) for cfg in configs[:4]] + [(cfg[:3], cfg[3]) for cfg in sweep[:4]]
+    todo += [(cfg, None) for cfg in configs[4:]] + [(cfg[:3], cfg[3]) for cfg in sweep[4:]]
+    record = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),
+              "commit": git_commit(), "command": " ".join(sys.argv), "jax": jax.__version__,
+              "ceilings": ceilings(args.quick), "rows": [], "skipped": [],
+              "notes": "no pct_of_floor: the build is B dependent argmax pops and the walk L dependent steps, "
+                       "bound by latency, not by bytes or FLOPs; figures are device time per call "
+                       f"({args.calls} chained calls per jit, median of {args.repeats})"}
+    print(json.dumps(record["ceilings"]), flush=True)
+    key = jax.random.key(0)
+    for index, ((num_requests, budget, depth), num_warps) in enumerate(todo):
+        if time.perf_counter() - start > args.deadline_s:
+            record["skipped"].append(dict(C=num_requests, B=budget, L=depth, num_warps=num_warps))
+            continue
+        key, config_key = jax.random.split(key)
+        args.loop_variant = index < 4
+        config_start = time.perf_counter()
+        row = bench_config(num_requests, budget, depth, args, config_key, num_warps)
+        row["config_s"] = time.perf_counter() - config_start
+        record["rows"].append(row)
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    record["elapsed_s"] = time.perf_counter() - start
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
