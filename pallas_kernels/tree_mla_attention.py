@@ -8,11 +8,10 @@ score = (q_lat . c_kv + q_rope . k_rope) * scale; the latent is also the value: 
 K2.6 uses R = 512, P = 64; W_UK / W_UV are applied outside.
 
 Kernel layout (Pallas-Triton): the T*H query rows of a sequence form the M dimension, so one tile of
-block_m (token, head) rows shares every key block and the two dots run on tensor cores. Grid axis 1
-splits the prefix into `num_splits` ranges (flash-decoding); its last index handles the tree tail
-under the ancestor mask. Each program writes a normalised partial output and its base-2
-log-sum-exp; an exact log-sum-exp merge in XLA combines them. Optionally the value (latent)
-columns are split into block_r-wide chunks on grid axis 0 to bound the fp32 accumulator.
+block_m (token, head) rows shares every key block and the dots run on tensor cores. The prefix
+kernel splits each sequence's prefix into `num_splits` ranges (flash-decoding); the tail kernel
+attends over the tree rows under the ancestor mask. Each program writes a normalised partial output
+and its base-2 log-sum-exp; an exact log-sum-exp merge in XLA combines them.
 """
 import functools
 import math
@@ -91,89 +90,112 @@ def tree_mla_attention_reference(q_lat, q_rope, cache, prefix_len, tail, visibil
   return o_CTHR.astype(out_dtype)
 
 
-def _attend_block(q_lat, q_rope, k_lat, k_rope, value, visible, carry, qk_scale):
-  """One online-softmax step (base 2) of block_m query rows over one key block."""
-  acc, m_prev, l_prev = carry
-  s = jnp.dot(q_lat, k_lat.T, preferred_element_type=jnp.float32)
-  s += jnp.dot(q_rope, k_rope.T, preferred_element_type=jnp.float32)
+def _load_rows(ref, c, row_slice, row_ok, lat_dim, rope_dim, block_r):
+  """Rows row_slice of ref[c] as block_r-wide latent chunks and the rope part (zeros where not row_ok).
+
+  ref is [C, rows, R + P] (cache, tail) or a pair of [C, rows, R] / [C, rows, P] refs (queries)."""
+  lat_ref, rope_ref, rope_start = (ref, ref, lat_dim) if not isinstance(ref, tuple) else (*ref, 0)
+  load = lambda r, start, width: plgpu.load(r.at[c, row_slice, pl.ds(start, width)], mask=row_ok[:, None], other=0)
+  return tuple(load(lat_ref, j, block_r) for j in range(0, lat_dim, block_r)), load(rope_ref, rope_start, rope_dim)
+
+
+def _attend_block(queries, keys, visible, carry, qk_scale):
+  """One online-softmax step (base 2) of block_m query rows over one key block.
+
+  queries / keys: (latent chunks [n, block_r] ..., rope [n, P]); visible: [block_m, block_k] bool;
+  carry: (accumulator chunks [block_m, block_r] ..., running max [block_m], running sum [block_m]).
+  The latent is split into chunks so each value dot adds only a block_r-wide temporary to the
+  accumulator's registers (Pallas emits dot-then-add, which Triton does not fuse into the MMA)."""
+  (q_chunks, q_rope), (k_chunks, k_rope), (acc_chunks, m_prev, l_prev) = queries, keys, carry
+  s = jnp.dot(q_rope, k_rope.T, preferred_element_type=jnp.float32)
+  for q_chunk, k_chunk in zip(q_chunks, k_chunks):
+    s += jnp.dot(q_chunk, k_chunk.T, preferred_element_type=jnp.float32)
   s = jnp.where(visible, s * qk_scale, -jnp.inf)
   m_next = jnp.maximum(m_prev, s.max(axis=1))
   m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows that have seen nothing yet
   correction = jnp.exp2(m_prev - m_safe)
   p = jnp.exp2(s - m_safe[:, None])
   l_next = l_prev * correction + p.sum(axis=1)
-  acc = acc * correction[:, None] + jnp.dot(p.astype(value.dtype), value, preferred_element_type=jnp.float32)
-  return acc, m_next, l_next
+  p = p.astype(k_chunks[0].dtype)
+  acc_chunks = tuple(acc * correction[:, None] + jnp.dot(p, k_chunk, preferred_element_type=jnp.float32)
+                     for acc, k_chunk in zip(acc_chunks, k_chunks))
+  return acc_chunks, m_next, l_next
 
 
-def _tree_mla_kernel(prefix_len_ref, q_lat_ref, q_rope_ref, cache_ref, tail_ref, vis_ref,  # inputs
-                     o_ref, lse_ref,  # outputs
-                     *, num_heads, num_tokens, num_splits, block_m, block_k, block_t, block_r, qk_scale):
-  """Refs: prefix_len [C]; q_lat [C, M, R]; q_rope [C, M, P] (row = t * H + h); cache [C, S_max, R+P];
-  tail [C, T, R+P]; vis [C, T*T] (flattened visibility). Outputs: o [C, num_splits+1, M, R] float32,
-  lse [C, num_splits+1, M] float32 (base 2; -inf for a row that saw nothing in this split)."""
-  lat_dim, rope_dim = q_lat_ref.shape[2], q_rope_ref.shape[2]
-  num_r_chunks = lat_dim // block_r
-  m_blk, r_blk = pl.program_id(0) // num_r_chunks, pl.program_id(0) % num_r_chunks
-  split, c = pl.program_id(1), pl.program_id(2)
-  rows = m_blk * block_m + jnp.arange(block_m)
-  row_ok = rows < num_tokens * num_heads
-  row_slice = pl.ds(m_blk * block_m, block_m)
-  q_lat = plgpu.load(q_lat_ref.at[c, row_slice, :], mask=row_ok[:, None], other=0)
-  q_rope = plgpu.load(q_rope_ref.at[c, row_slice, :], mask=row_ok[:, None], other=0)
+def _empty_carry(block_m, lat_dim, block_r):
+  return (tuple(jnp.zeros((block_m, block_r), jnp.float32) for _ in range(lat_dim // block_r)),
+          jnp.full((block_m,), -jnp.inf, jnp.float32), jnp.zeros((block_m,), jnp.float32))
 
-  def load_keys(keys_ref, key_slice, key_ok):
-    """[block, R], [block, P] and the value columns [block, block_r] of rows key_slice of keys_ref[c]."""
-    load = lambda cols: plgpu.load(keys_ref.at[c, key_slice, cols], mask=key_ok[:, None], other=0)
-    k_lat, k_rope = load(pl.ds(0, lat_dim)), load(pl.ds(lat_dim, rope_dim))
-    value = k_lat if block_r == lat_dim else load(pl.ds(r_blk * block_r, block_r))
-    return k_lat, k_rope, value
 
-  init = (jnp.zeros((block_m, block_r), jnp.float32), jnp.full((block_m,), -jnp.inf, jnp.float32),
-          jnp.zeros((block_m,), jnp.float32))
-
-  def prefix_part():
-    prefix_len = prefix_len_ref[c]
-    num_blocks = pl.cdiv(prefix_len, block_k)
-    blocks_per_split = pl.cdiv(num_blocks, num_splits)
-    first = split * blocks_per_split
-
-    def body(i, carry):
-      start = (first + i) * block_k
-      key_ok = start + jnp.arange(block_k) < prefix_len
-      keys = load_keys(cache_ref, pl.ds(start, block_k), key_ok)
-      return _attend_block(q_lat, q_rope, *keys, key_ok[None, :], carry, qk_scale)
-
-    return lax.fori_loop(0, jnp.clip(num_blocks - first, 0, blocks_per_split), body, init)
-
-  def tail_part():
-    token = rows // num_heads
-
-    def body(i, carry):
-      u = i * block_t + jnp.arange(block_t)
-      u_ok = u < num_tokens
-      keys = load_keys(tail_ref, pl.ds(i * block_t, block_t), u_ok)
-      visible = plgpu.load(vis_ref.at[c, token[:, None] * num_tokens + u[None, :]],
-                           mask=row_ok[:, None] & u_ok[None, :], other=False)
-      return _attend_block(q_lat, q_rope, *keys, visible, carry, qk_scale)
-
-    return lax.fori_loop(0, pl.cdiv(num_tokens, block_t), body, init)
-
-  acc, m, l = lax.cond(split < num_splits, prefix_part, tail_part)
+def _store_partial(o_ref, lse_ref, index, row_slice, row_ok, carry, block_r):
+  """o_ref[*index, rows] = acc / l (0 where nothing was seen); lse_ref[*index, rows] = m + log2 l (or -inf)."""
+  acc_chunks, m, l = carry
   seen = l > 0
-  o = acc / jnp.where(seen, l, 1.0)[:, None]
-  plgpu.store(o_ref.at[c, split, row_slice, pl.ds(r_blk * block_r, block_r)], o, mask=row_ok[:, None])
-  plgpu.store(lse_ref.at[c, split, row_slice], jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf),
-              mask=row_ok & (r_blk == 0))
+  l_safe = jnp.where(seen, l, 1.0)
+  for j, acc in enumerate(acc_chunks):
+    plgpu.store(o_ref.at[(*index, row_slice, pl.ds(j * block_r, block_r))], acc / l_safe[:, None],
+                mask=row_ok[:, None])
+  plgpu.store(lse_ref.at[(*index, row_slice)], jnp.where(seen, m + jnp.log2(l_safe), -jnp.inf), mask=row_ok)
 
 
-def _merge_splits(o_CNMR, lse_CNM):
-  """Exact log-sum-exp (base 2) merge of normalised partial outputs over axis 1 -> [C, M, R] float32."""
-  m_CM = jnp.max(lse_CNM, axis=1)
+def _prefix_kernel(prefix_len_ref, q_lat_ref, q_rope_ref, cache_ref,  # inputs
+                   o_ref, lse_ref,  # outputs
+                   *, num_rows, num_splits, block_m, block_k, block_r, qk_scale):
+  """Grid (m block, split, c). prefix_len [C]; q_lat [C, M, R], q_rope [C, M, P] (row = t * H + h);
+  cache [C, S_max, R+P] -> o [C, num_splits, M, R] float32, lse [C, num_splits, M] float32."""
+  lat_dim, rope_dim = q_lat_ref.shape[2], q_rope_ref.shape[2]
+  m_blk, split, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  row_slice = pl.ds(m_blk * block_m, block_m)
+  row_ok = m_blk * block_m + jnp.arange(block_m) < num_rows
+  queries = _load_rows((q_lat_ref, q_rope_ref), c, row_slice, row_ok, lat_dim, rope_dim, block_r)
+  prefix_len = prefix_len_ref[c]
+  num_blocks = pl.cdiv(prefix_len, block_k)
+  blocks_per_split = pl.cdiv(num_blocks, num_splits)
+  first = split * blocks_per_split
+
+  def body(i, carry):
+    start = (first + i) * block_k
+    key_ok = start + jnp.arange(block_k) < prefix_len
+    keys = _load_rows(cache_ref, c, pl.ds(start, block_k), key_ok, lat_dim, rope_dim, block_r)
+    return _attend_block(queries, keys, key_ok[None, :], carry, qk_scale)
+
+  carry = lax.fori_loop(0, jnp.clip(num_blocks - first, 0, blocks_per_split), body,
+                        _empty_carry(block_m, lat_dim, block_r))
+  _store_partial(o_ref, lse_ref, (c, split), row_slice, row_ok, carry, block_r)
+
+
+def _tail_kernel(q_lat_ref, q_rope_ref, tail_ref, vis_ref,  # inputs
+                 o_ref, lse_ref,  # outputs
+                 *, num_heads, num_tokens, block_m, block_t, block_r, qk_scale):
+  """Grid (m block, c). q_lat [C, M, R], q_rope [C, M, P]; tail [C, T, R+P]; vis [C, T*T] (flattened
+  visibility) -> o [C, M, R] float32, lse [C, M] float32."""
+  lat_dim, rope_dim = q_lat_ref.shape[2], q_rope_ref.shape[2]
+  m_blk, c = pl.program_id(0), pl.program_id(1)
+  rows = m_blk * block_m + jnp.arange(block_m)
+  row_slice, row_ok = pl.ds(m_blk * block_m, block_m), rows < num_tokens * num_heads
+  queries = _load_rows((q_lat_ref, q_rope_ref), c, row_slice, row_ok, lat_dim, rope_dim, block_r)
+  token = rows // num_heads
+
+  def body(i, carry):
+    u = i * block_t + jnp.arange(block_t)
+    u_ok = u < num_tokens
+    keys = _load_rows(tail_ref, c, pl.ds(i * block_t, block_t), u_ok, lat_dim, rope_dim, block_r)
+    visible = plgpu.load(vis_ref.at[c, token[:, None] * num_tokens + u[None, :]],
+                         mask=row_ok[:, None] & u_ok[None, :], other=False)
+    return _attend_block(queries, keys, visible, carry, qk_scale)
+
+  carry = lax.fori_loop(0, pl.cdiv(num_tokens, block_t), body, _empty_carry(block_m, lat_dim, block_r))
+  _store_partial(o_ref, lse_ref, (c,), row_slice, row_ok, carry, block_r)
+
+
+def _merge_partials(o_prefix_CNMR, lse_prefix_CNM, o_tail_CMR, lse_tail_CM):
+  """Exact log-sum-exp (base 2) merge of normalised partial outputs -> [C, M, R] float32."""
+  m_CM = jnp.maximum(jnp.max(lse_prefix_CNM, axis=1), lse_tail_CM)
   m_CM = jnp.where(jnp.isfinite(m_CM), m_CM, 0.0)
-  w_CNM = jnp.exp2(lse_CNM - m_CM[:, None])
-  w_sum_CM = jnp.sum(w_CNM, axis=1)
-  o_CMR = jnp.einsum("cnm,cnmr->cmr", w_CNM, o_CNMR, precision=lax.Precision.HIGHEST)
+  w_prefix_CNM = jnp.exp2(lse_prefix_CNM - m_CM[:, None])
+  w_tail_CM = jnp.exp2(lse_tail_CM - m_CM)
+  w_sum_CM = jnp.sum(w_prefix_CNM, axis=1) + w_tail_CM
+  o_CMR = jnp.sum(w_prefix_CNM[..., None] * o_prefix_CNMR, axis=1) + w_tail_CM[..., None] * o_tail_CMR
   return o_CMR / jnp.where(w_sum_CM > 0, w_sum_CM, 1.0)[..., None]
 
 
@@ -184,47 +206,47 @@ def _pow2_at_least(n):
 @functools.partial(jax.jit, static_argnames=["scale", "block_m", "block_k", "block_r", "num_splits", "num_warps",
                                              "num_stages", "interpret"])
 def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, block_m: int = 64,
-                       block_k: int = 32, block_r: int | None = None, num_splits: int | None = None,
+                       block_k: int = 64, block_r: int | None = None, num_splits: int | None = None,
                        num_warps: int | None = None, num_stages: int = 2, interpret: bool = False):
   """Pallas-Triton tree MLA attention; arguments and result as in `tree_mla_attention_reference`.
 
-  Knobs: block_m query rows (tree token x head) per tile; block_k prefix keys per step; block_r value
-  columns per program (default R: no value split); num_splits prefix ranges per sequence (default:
-  about one wave of programs); num_warps (default 8 for 64x256+ accumulators, else 4) / num_stages
-  for Triton. block_m is clamped to the row count T*H (at least 16).
+  Knobs: block_m query rows (tree token x head) per tile, clamped to T*H (at least 16); block_k
+  prefix keys per step; block_r width of the latent chunks (default 256 for block_m >= 64, else R;
+  clamped to R); num_splits prefix ranges per sequence (default: about one wave of programs);
+  num_warps (default 8 for block_m >= 64, else 4) and num_stages for Triton.
   """
   C, T, H, R, P = _check_args(q_lat, q_rope, cache, prefix_len, tail, visibility)
-  block_r = R if block_r is None else block_r
+  M, S_max = T * H, cache.shape[1]
+  block_m = min(block_m, max(16, _pow2_at_least(M)))
+  block_r = min(R, block_r or (256 if block_m >= 64 else R))
   for name, n in (("block_m", block_m), ("block_k", block_k), ("block_r", block_r)):
     if n < 16 or n & (n - 1):
       raise ValueError(f"{name} must be a power of two >= 16, got {n}")
-  if block_r > R:
-    raise ValueError(f"block_r must be <= R = {R}, got {block_r}")
-  M, S_max = T * H, cache.shape[1]
-  block_m = min(block_m, max(16, _pow2_at_least(M)))
-  if num_warps is None:
-    num_warps = 8 if block_m * block_r >= 64 * 256 else 4
-  num_m_blocks, num_r_chunks = pl.cdiv(M, block_m), R // block_r
+  num_m_blocks = pl.cdiv(M, block_m)
   if num_splits is None:
-    num_splits = max(1, min(pl.cdiv(_NUM_SMS, C * num_m_blocks * num_r_chunks), pl.cdiv(S_max, 4 * block_k)))
+    num_splits = max(1, min(pl.cdiv(_NUM_SMS, C * num_m_blocks), pl.cdiv(S_max, 4 * block_k)))
   if num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-  block_t = max(16, min(block_k, _pow2_at_least(T)))
+  params = plgpu.CompilerParams(num_warps=num_warps or (8 if block_m >= 64 else 4), num_stages=num_stages)
+  q_lat_CMR, q_rope_CMP = q_lat.reshape(C, M, R), q_rope.reshape(C, M, P)
+  qk_scale = scale * _LOG2E
 
-  kernel = functools.partial(
-      _tree_mla_kernel, num_heads=H, num_tokens=T, num_splits=num_splits, block_m=block_m, block_k=block_k,
-      block_t=block_t, block_r=block_r, qk_scale=scale * _LOG2E)
-  o_CNMR, lse_CNM = pl.pallas_call(
-      kernel,
-      grid=(num_m_blocks * num_r_chunks, num_splits + 1, C),
-      out_shape=[jax.ShapeDtypeStruct((C, num_splits + 1, M, R), jnp.float32),
-                 jax.ShapeDtypeStruct((C, num_splits + 1, M), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      name="tree_mla_attention",
-  )(prefix_len.astype(jnp.int32), q_lat.reshape(C, M, R), q_rope.reshape(C, M, P), cache, tail,
-    visibility.reshape(C, T * T))
-  return _merge_splits(o_CNMR, lse_CNM).reshape(C, T, H, R).astype(q_lat.dtype)
+  o_prefix, lse_prefix = pl.pallas_call(
+      functools.partial(_prefix_kernel, num_rows=M, num_splits=num_splits, block_m=block_m, block_k=block_k,
+                        block_r=block_r, qk_scale=qk_scale),
+      grid=(num_m_blocks, num_splits, C),
+      out_shape=[jax.ShapeDtypeStruct((C, num_splits, M, R), jnp.float32),
+                 jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)],
+      compiler_params=params, interpret=interpret, name="tree_mla_prefix",
+  )(prefix_len.astype(jnp.int32), q_lat_CMR, q_rope_CMP, cache)
+  o_tail, lse_tail = pl.pallas_call(
+      functools.partial(_tail_kernel, num_heads=H, num_tokens=T, block_m=block_m,
+                        block_t=max(16, min(block_k, _pow2_at_least(T))), block_r=block_r, qk_scale=qk_scale),
+      grid=(num_m_blocks, C),
+      out_shape=[jax.ShapeDtypeStruct((C, M, R), jnp.float32), jax.ShapeDtypeStruct((C, M), jnp.float32)],
+      compiler_params=params, interpret=interpret, name="tree_mla_tail",
+  )(q_lat_CMR, q_rope_CMP, tail, visibility.reshape(C, T * T))
+  return _merge_partials(o_prefix, lse_prefix, o_tail, lse_tail).reshape(C, T, H, R).astype(q_lat.dtype)
 
 
 def tree_mla_attention_sharded(mesh, *, axis: str = "model", impl: str = "pallas", interpret: bool = False,
