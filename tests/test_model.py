@@ -127,7 +127,7 @@ def numpy_route(kernel, bias, x, cfg):
         keep = np.argsort(-gs, -1, kind="stable")[:, :cfg.topk_group]
         mask = np.zeros_like(gs, bool)
         np.put_along_axis(mask, keep, True, -1)
-        b = np.where(mask.repeat(g.shape[-1], 1), b, 0.0)
+        b = np.where(mask.repeat(g.shape[-1], 1), b, -np.inf)
     ids = np.argsort(-b, -1, kind="stable")[:, :cfg.num_experts_per_tok]
     w = np.take_along_axis(s, ids, -1)
     if cfg.norm_topk_prob:

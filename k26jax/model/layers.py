@@ -131,7 +131,7 @@ def route(router_kernel_DE, router_bias_E, x_ND, cfg: ModelConfig):
     """HF DeepseekV3TopkRouter + get_topk_indices: (topk_ids [N,k] int32, topk_weights [N,k] f32).
 
     Selection uses sigmoid scores plus the correction bias, group-limited when n_group > 1 (groups ranked by the
-    sum of their top-2 biased scores; experts of dropped groups masked to 0.0, as HF's masked_fill does). The
+    sum of their top-2 biased scores; experts of dropped groups masked to -inf, as HF's masked_fill does). The
     weights are the unbiased scores, normalised when norm_topk_prob, then times routed_scaling_factor.
     """
     logits = jnp.dot(x_ND.astype(F32), router_kernel_DE.astype(F32), precision=jax.lax.Precision.HIGHEST)
@@ -143,7 +143,7 @@ def route(router_kernel_DE, router_bias_E, x_ND, cfg: ModelConfig):
         group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
         _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
         group_mask = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], keep].set(True)
-        biased = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=1), biased, 0.0)
+        biased = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=1), biased, -jnp.inf)
     _, topk_ids = jax.lax.top_k(biased, cfg.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, topk_ids, axis=-1)
     if cfg.norm_topk_prob:

@@ -1,0 +1,176 @@
+"""The speculative engine: losslessness, plumbing with oracle drafters, sampling law, cache commit, mesh."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from k26jax import api, engine, ops, sharding
+from k26jax.config import ConfigError, DrafterConfig, preset
+from k26jax.generate import generate
+from k26jax.model import drafter, target
+
+IMPLS = ops.Impls()
+PROMPTS = [[5, 17, 300, 42, 9], [700, 3, 88], list(range(100, 120))]
+NEW = 64
+L = 7
+
+
+def tiny_drafter_cfg(vocab=1024):
+    return DrafterConfig.from_dict(dict(
+        hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+        intermediate_size=512, rms_norm_eps=1e-6, rope_theta=10000.0, block_size=L + 1, num_target_layers=4,
+        vocab_size=vocab, max_position_embeddings=4096,
+        dflash_config=dict(target_layer_ids=[1, 2], mask_token_id=vocab - 2)))
+
+
+def make_model(cfg, seed=0):
+    dcfg = tiny_drafter_cfg(cfg.vocab_size)
+    return api.Model(cfg, target.init_params(cfg, seed, jnp.float32), IMPLS, drafter_cfg=dcfg,
+                     drafter_params=drafter.init_params(dcfg, seed, jnp.float32))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(preset("tiny"))
+
+
+@pytest.fixture(scope="module")
+def ar(model):
+    """AR greedy tokens and, per generated position, the float32 top-1/top-2 margin."""
+    tokens = generate(model, PROMPTS, max_new_tokens=NEW, method="ar").tokens
+    safe = []
+    for p, t in zip(PROMPTS, tokens):
+        logits = np.asarray(model.logits(np.array([p + t])))[0, len(p) - 1:-1]
+        top2 = np.sort(logits, -1)[:, -2:]
+        margins = top2[:, 1] - top2[:, 0]
+        safe.append(int(np.argmax(margins < 1e-4)) if (margins < 1e-4).any() else len(t))
+    return tokens, safe
+
+
+def oracle(trajectory, noise, seed=0):
+    """Noisy oracle drafter: the target's true next tokens; with prob `noise` a depth is corrupted, half the
+    time with the true token ranked 2nd (a tree can still recover it), half the time with it absent."""
+    traj = jnp.asarray(trajectory)
+
+    def propose(params, dparams, state):
+        C, V = traj.shape[0], params["lm_head"].shape[1]
+        idx = jnp.minimum(state.cache.lengths[:, None] + 1 + jnp.arange(L)[None], traj.shape[1] - 1)
+        true = jnp.take_along_axis(traj, idx, axis=1)                                       # [C, L]
+        k1, k2, k3 = jax.random.split(jax.random.fold_in(jax.random.key(seed), state.step), 3)
+        logits = jax.random.normal(k1, (C, L, V))
+        wrong = (true + jax.random.randint(k2, true.shape, 1, V)) % V
+        u = jax.random.uniform(k3, true.shape)
+        bad = u < noise
+        true_boost = jnp.where(u < noise / 2, 0.0, jnp.where(bad, 8.0, 10.0))
+        logits = logits.at[jnp.arange(C)[:, None], jnp.arange(L)[None], true].add(true_boost)
+        return logits.at[jnp.arange(C)[:, None], jnp.arange(L)[None], wrong].add(jnp.where(bad, 12.0, 0.0))
+
+    return propose
+
+
+def trajectories(tokens):
+    width = max(len(p) + len(t) for p, t in zip(PROMPTS, tokens)) + L + 2
+    traj = np.zeros((len(PROMPTS), width), np.int32)
+    for i, (p, t) in enumerate(zip(PROMPTS, tokens)):
+        traj[i, :len(p) + len(t)] = p + t
+    return traj
+
+
+def assert_same_until_near_tie(got, ar):
+    tokens, safe = ar
+    for g, t, s in zip(got, tokens, safe):
+        assert g[:s] == t[:s]
+        assert len(g) == len(t)
+
+
+@pytest.mark.parametrize("method,budget", [("chain", 1), ("ddtree", 1), ("ddtree", 4), ("ddtree", 32)])
+def test_lossless_with_random_drafter(model, ar, method, budget):
+    assert_same_until_near_tie(generate(model, PROMPTS, max_new_tokens=NEW, method=method, budget=budget).tokens, ar)
+
+
+@pytest.mark.parametrize("method,budget", [("chain", 1), ("ddtree", 4), ("ddtree", 32)])
+def test_lossless_with_noisy_oracle_and_accept_lengths_span_1_to_L_plus_1(model, ar, method, budget):
+    propose = oracle(trajectories(ar[0]), noise=0.25)
+    res = generate(model, PROMPTS, max_new_tokens=NEW, method=method, budget=budget, propose=propose)
+    assert_same_until_near_tie(res.tokens, ar)
+    lens = {a for row in res.stats["accept_lens"] for a in row if a}
+    deepest = min(L, budget if method == "ddtree" else L) + 1
+    assert {1, deepest} <= lens and len(lens) >= min(4, deepest), lens
+    if method == "ddtree" and budget == 32:
+        assert res.stats["tau"] > 4
+
+
+def test_perfect_oracle_accepts_full_depth_every_step(model, ar):
+    res = generate(model, PROMPTS, max_new_tokens=NEW, method="ddtree", budget=L,
+                   propose=oracle(trajectories(ar[0]), noise=0.0), loop="while")
+    assert_same_until_near_tie(res.tokens, ar)
+    # 1 token from prefill, then full steps of L+1 tokens until the last, capped by max_new_tokens.
+    full_steps = (NEW - 1) // (L + 1)
+    for step_lens in res.stats["accept_lens"][:full_steps]:
+        assert step_lens == [L + 1] * len(PROMPTS)
+    assert res.stats["steps"] == -(-(NEW - 1) // (L + 1))
+
+
+def test_cache_commit_equals_prefill_of_the_emitted_tokens(model, ar):
+    sc = engine.StepConfig(method="ddtree", budget=16, max_new_tokens=NEW, block_size=L + 1)
+    ids = np.zeros((3, 32), np.int32)
+    for i, p in enumerate(PROMPTS):
+        ids[i, :len(p)] = p
+    lengths = np.array([len(p) for p in PROMPTS], np.int32)
+    kw = dict(cfg=model.cfg, dcfg=model.drafter_cfg, sc=sc, impls=IMPLS)
+    state = engine.prefill(model.params, model.drafter_params, ids, lengths, jax.random.key(0), max_len=128, **kw)
+    step = jax.jit(functools.partial(engine.step, propose=oracle(trajectories(ar[0]), 0.3), **kw))
+    for _ in range(4):
+        state = step(model.params, model.drafter_params, state)
+    for i, p in enumerate(PROMPTS):
+        n = int(state.cache.lengths[i])
+        seq = (p + ar[0][i])[:n]
+        assert n == len(p) + int(state.num_out[i]) - 1     # the last emitted token is the next root, no KV yet
+        _, rows, _ = target.forward_prefill(model.params, model.cfg, jnp.asarray([seq]), jnp.asarray([n]), IMPLS)
+        np.testing.assert_allclose(state.cache.rows[:, i, :n], rows[:, 0], atol=2e-5)
+
+
+def test_eight_devices_equal_one_device(model):
+    mesh = sharding.make_mesh(8)
+    placed = api.place(model.params, model.cfg, mesh, "ep")
+    on_mesh = api.Model(model.cfg, placed, ops.Impls(mesh=mesh), mesh, model.drafter_cfg, model.drafter_params)
+    kw = dict(max_new_tokens=24, method="ddtree", budget=8)
+    assert generate(on_mesh, PROMPTS, **kw).tokens == generate(model, PROMPTS, **kw).tokens
+
+
+def test_sampling_at_t1_follows_the_ar_distribution():
+    """Chi-square: DDTree's 2nd and 3rd sampled tokens (tree depth >= 2) vs the exact AR marginals."""
+    V = 8
+    cfg = preset("tiny").replace(vocab_size=V, bos_token_id=None, eos_token_ids=(), pad_token_id=None)
+    m = make_model(cfg, seed=1)
+    m.params["lm_head"] = m.params["lm_head"] * 0.05                 # a spread-out target distribution
+    prompt = [1, 5, 2]
+    probs = lambda seqs: np.asarray(jax.nn.softmax(m.logits(np.array(seqs))[:, -1], -1), np.float64)
+    p1 = probs([prompt])[0]
+    p12 = probs([prompt + [a] for a in range(V)])                     # [x1, x2]
+    p2 = p1 @ p12
+    p3 = np.einsum("a,ab,abc->c", p1, p12, np.stack([probs([prompt + [a, b] for b in range(V)])
+                                                     for a in range(V)]))
+    n = 1200
+    res = generate(m, [prompt] * n, max_new_tokens=3, method="ddtree", budget=16, temperature=1.0, seed=3)
+    toks = np.array(res.tokens)
+    assert max(max(r) for r in res.stats["accept_lens"]) >= 3        # drafts were accepted at depth >= 2
+    for col, p in ((1, p2), (2, p3)):
+        counts = np.bincount(toks[:, col], minlength=V)
+        assert stats.chisquare(counts, p / p.sum() * n).pvalue > 1e-3, (counts, p * n)
+
+
+def test_bad_input(model):
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        generate(model, [[1, 2], []], max_new_tokens=4)
+    with pytest.raises(ValueError, match="beyond the cache"):
+        generate(model, [list(range(50))], max_new_tokens=20, max_len=64)
+    with pytest.raises(ValueError, match="budget"):
+        generate(model, [[1, 2]], max_new_tokens=4, budget=0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(model, [[1, 5000]], max_new_tokens=4)
+    with pytest.raises(ConfigError, match="hidden_size"):
+        tiny_drafter_cfg().check_target(preset("tiny").replace(hidden_size=512))
