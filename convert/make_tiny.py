@@ -313,23 +313,27 @@ def hf_config(text: dict) -> dict:
     }
 
 
-def tiny_text_config(preset: str, experts: int | None = None) -> dict:
-    """The preset's text config dict; vocab-relative special ids; `experts` overrides n_routed_experts."""
-    text = preset_text_config(preset)
-    V = text["vocab_size"]
-    text.update(bos_token_id=V - 256, eos_token_id=V - 255, pad_token_id=V - 1)
+def tiny_text_config(preset: str, experts: int | None = None, overrides: dict | None = None) -> dict:
+    """The preset's text config dict with `overrides` applied (`experts`: n_routed_experts); special ids at
+    K2's offsets from the top of the vocabulary."""
+    text = dict(preset_text_config(preset), **(overrides or {}))
     if experts is not None:
         text["n_routed_experts"] = experts
+    V = text["vocab_size"]
+    text.update(bos_token_id=V - 256, eos_token_id=V - 255, pad_token_id=V - 1)
     return text
 
 
 def make_tiny(out: str, preset: str = "tiny", *, experts: int | None = None, seed: int = 0,
-              drafter: bool | None = None, shard_bytes: int | None = None) -> ModelConfig:
-    """Writes the checkpoint (see the module docstring) into the new or empty directory `out`."""
+              drafter: bool | None = None, shard_bytes: int | None = None, overrides: dict | None = None
+              ) -> ModelConfig:
+    """Writes the checkpoint (see the module docstring) into the new or empty directory `out`.
+
+    drafter: None writes one for the tiny preset only. overrides: text-config fields to change (tests)."""
     if os.path.isdir(out) and os.listdir(out):
         raise FileExistsError(f"--out {out}: directory exists and is not empty")
     os.makedirs(out, exist_ok=True)
-    text = tiny_text_config(preset, experts)
+    text = tiny_text_config(preset, experts, overrides)
     config = hf_config(text)
     _dump_json(os.path.join(out, "config.json"), config)
     V = text["vocab_size"]

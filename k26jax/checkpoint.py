@@ -69,9 +69,8 @@ def _restore_tree(path: str, manifest: dict, shardings: dict, dtype: str | None)
     for name, leaf in manifest["leaves"].items():
         keys = name.split(".")
         stored = np.dtype(leaf["dtype"]) if leaf["dtype"] != "bfloat16" else np.dtype(jax.numpy.bfloat16)
-        want = stored
-        if dtype is not None and jax.numpy.issubdtype(stored, jax.numpy.floating) and keys[-1] not in FIXED_DTYPE_LEAVES:
-            want = np.dtype(DTYPES[dtype])
+        castable = jax.numpy.issubdtype(stored, jax.numpy.floating) and keys[-1] not in FIXED_DTYPE_LEAVES
+        want = np.dtype(DTYPES[dtype]) if dtype is not None and castable else stored
         sh = shardings[name]
         _set(abstract, keys, jax.ShapeDtypeStruct(tuple(leaf["shape"]), want, sharding=sh))
         _set(args, keys, ocp.ArrayRestoreArgs(sharding=sh, dtype=want, global_shape=tuple(leaf["shape"])))

@@ -1,0 +1,296 @@
+"""HF -> orbax converter and restore: round trip, INT4 relayout vs compressed-tensors, crash + resume, bad input,
+1-device -> 8-device restore."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from convert import converter, hf_layout, make_tiny
+from convert.__main__ import main as convert_main
+from k26jax import checkpoint, sharding
+from k26jax.config import ConfigError, ModelConfig
+from pallas_kernels.int4_moe_gemm import dequantize_int4, unpack_int4
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "checkpoints", "tiny")
+
+
+def _convert(out, hf=TINY, **kw):
+    return converter.convert(converter.Options(hf_dir=hf, out=str(out), progress=False, **kw), log=lambda s: None)
+
+
+def _same_bits(a, b):
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def _assert_trees_equal(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    bad = [jax.tree_util.keystr(p) for p, ok in
+           jax.tree_util.tree_leaves_with_path(jax.tree.map(_same_bits, got, want)) if not ok]
+    assert not bad, bad
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("conv") / "tiny_orbax"
+    _convert(out, drafter_dir=os.path.join(TINY, "drafter"))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def hf_tree():
+    return hf_layout.read_hf_params(TINY, ModelConfig.from_hf_dir(TINY))
+
+
+def test_round_trip_equals_hf(converted, hf_tree):
+    cfg, params = checkpoint.restore(converted)
+    assert cfg == ModelConfig.from_hf_dir(TINY)
+    _assert_trees_equal(params, hf_tree)
+    manifest = checkpoint.read_manifest(converted)
+    for name, leaf in manifest["leaves"].items():  # checksums certify the restored bytes
+        arr = params
+        for key in name.split("."):
+            arr = arr[key]
+        assert converter.hashlib.sha256(np.ascontiguousarray(arr).view(np.uint8)).hexdigest() == leaf["sha256"]
+    assert manifest["skipped"]["vision_tower"]["tensors"] == 4
+    for name in ("tiktoken.model", "tokenizer_config.json", "generation_config.json"):
+        assert os.path.isfile(os.path.join(converted, name))
+
+
+def test_orbax_reads_it_with_its_own_api(converted, hf_tree):
+    """Plain orbax (no k26jax code) restores the params directory."""
+    with ocp.PyTreeCheckpointer() as ckptr:
+        meta = ckptr.metadata(os.path.join(converted, "params")).item_metadata.tree
+        assert meta["moe"]["mlp"]["w13_packed"].shape == hf_tree["moe"]["mlp"]["w13_packed"].shape
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+        tree = ckptr.restore(os.path.join(converted, "params"), args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    assert _same_bits(tree["moe"]["mlp"]["w2_packed"], hf_tree["moe"]["mlp"]["w2_packed"])
+
+
+def test_drafter_round_trip(converted):
+    from convert import dflash_layout
+    dcfg, want = dflash_layout.load_drafter_hf(os.path.join(TINY, "drafter"))
+    got_cfg, got = checkpoint.restore_drafter(os.path.join(converted, "drafter"))
+    assert got_cfg == dcfg
+    _assert_trees_equal(got, want)
+
+
+def test_float32_conversion(tmp_path):
+    _convert(tmp_path / "f32", dtype="float32")
+    cfg, params = checkpoint.restore(tmp_path / "f32", dtype=None)
+    _assert_trees_equal(params, hf_layout.read_hf_params(TINY, cfg, dtype="float32"))
+    assert params["moe"]["mlp"]["w13_scale"].dtype == jax.numpy.bfloat16
+    assert params["moe"]["mlp"]["router_bias"].dtype == np.float32
+
+
+@pytest.mark.parametrize("n, mode", [(1, "ep"), (8, "ep"), (8, "tp"), (4, "tp")])
+def test_restore_onto_mesh(converted, hf_tree, n, mode):
+    mesh = sharding.make_mesh(n)
+    _, params = checkpoint.restore(converted, mesh=mesh, expert_mode=mode)
+    _assert_trees_equal(params, hf_tree)
+    specs = sharding.param_partition_specs(ModelConfig.from_hf_dir(TINY), mode)
+    w13 = params["moe"]["mlp"]["w13_packed"]
+    assert w13.sharding.spec == sharding.fit_spec(specs["moe"]["mlp"]["w13_packed"], w13.shape, mesh)
+    if n == 8 and mode == "ep":  # the chunks on disk are exactly the 8-way EP shards (per layer)
+        chunks = checkpoint.read_manifest(converted)["leaves"]["moe.mlp.w13_packed"]["chunks"]
+        assert w13.addressable_shards[0].data.shape[1:] == tuple(chunks[1:])
+        assert params["embed"].addressable_shards[0].data.shape[0] == hf_tree["embed"].shape[0] // 8
+
+
+def _hf_with_int4_fixture(tmp_path):
+    """A small HF checkpoint whose expert 0 (first MoE layer) holds compressed-tensors' packed fixture:
+    gate = up = fixture [out 64, in 96], down = pack(q.T) [out 96, in 64]."""
+    fx = np.load(os.path.join(ROOT, "tests", "fixtures", "int4_pack.npz"))
+    out = str(tmp_path / "hf_int4")
+    make_tiny.make_tiny(out, drafter=False, overrides=dict(
+        vocab_size=512, hidden_size=96, moe_intermediate_size=64, intermediate_size=128, num_hidden_layers=2,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2))
+    with open(os.path.join(out, hf_layout.INDEX_FILE)) as f:
+        weight_map = json.load(f)["weight_map"]
+    prefix = "language_model.model.layers.1.mlp.experts.0."
+    new = {prefix + f"{p}_proj.weight_packed": fx["packed"] for p in ("gate", "up")}
+    new.update({prefix + f"{p}_proj.weight_scale": fx["scale"].astype(hf_layout.BF16) for p in ("gate", "up")})
+    new[prefix + "down_proj.weight_packed"] = make_tiny.pack_int4(fx["q_int"].T)
+    for name, value in new.items():
+        shard = os.path.join(out, weight_map[name])
+        tensors = load_file(shard)
+        tensors[name] = value
+        save_file(tensors, shard, metadata={"format": "pt"})
+    return out, fx
+
+
+def test_int4_relayout_matches_compressed_tensors(tmp_path):
+    hf_dir, fx = _hf_with_int4_fixture(tmp_path)
+    _convert(tmp_path / "o", hf=hf_dir)
+    _, restored = checkpoint.restore(tmp_path / "o")
+    for params in (hf_layout.read_hf_params(hf_dir, ModelConfig.from_hf_dir(hf_dir)), restored):
+        mlp = params["moe"]["mlp"]
+        w13, s13 = np.asarray(mlp["w13_packed"][0, 0]), np.asarray(mlp["w13_scale"][0, 0])  # [96/8, 2, 64]
+        for j in (0, 1):
+            np.testing.assert_array_equal(w13[:, j], fx["packed"].T)  # words moved, not re-encoded
+            np.testing.assert_array_equal(np.asarray(unpack_int4(w13[:, j], axis=0)), fx["unpacked"].T)
+            deq = np.asarray(dequantize_int4(w13[:, j], s13[:, j], axis=0, dtype=np.float32))
+            np.testing.assert_array_equal(deq, fx["dequantized"].T)
+        down = np.asarray(unpack_int4(np.asarray(mlp["w2_packed"][0, 0]), axis=0))  # [64, 96]
+        np.testing.assert_array_equal(down, fx["q_int"])
+
+
+def _run_cli(args, env=None):
+    return subprocess.run([sys.executable, "-m", "convert", "--no-progress", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("kill_after, finished", [(6, []), (37, ["target:top", "target:layer 0"])])
+def test_resume_after_kill(tmp_path, converted, kill_after, finished):  # killed inside "top"; inside MoE layer 1
+    out = str(tmp_path / "out")
+    env = dict(os.environ, **{converter.KILL_HOOK: str(kill_after)})
+    run = _run_cli(["--hf", TINY, "--out", out, "--drafter", os.path.join(TINY, "drafter")], env)
+    assert run.returncode == -9, run.stderr
+    staging = out + converter.STAGING_SUFFIX
+    assert not os.path.exists(out) and os.path.isdir(staging)
+    journal = os.path.join(staging, converter.JOURNAL_FILE)
+    assert (open(journal).read().split("\n")[:-1] if os.path.exists(journal) else []) == [
+        json.dumps({"step": step}) for step in finished]
+    with pytest.raises(checkpoint.IncompleteCheckpointError, match="--resume"):
+        checkpoint.restore(staging)
+    with pytest.raises(FileExistsError, match="--resume"):
+        _convert(out, drafter_dir=os.path.join(TINY, "drafter"))
+    _convert(out, drafter_dir=os.path.join(TINY, "drafter"), resume=True)
+    assert not os.path.exists(staging)
+    for sub in ("", "drafter"):
+        got, want = (checkpoint.read_manifest(os.path.join(d, sub))["leaves"] for d in (out, converted))
+        assert got == want
+    _, a = checkpoint.restore(out)
+    _, b = checkpoint.restore(converted)
+    _assert_trees_equal(a, b)
+
+
+def test_resume_refuses_other_options(tmp_path):
+    out = str(tmp_path / "out")
+    run = _run_cli(["--hf", TINY, "--out", out], dict(os.environ, **{converter.KILL_HOOK: "3"}))
+    assert run.returncode == -9
+    with pytest.raises(ValueError, match="expert_mode"):
+        _convert(out, resume=True, expert_mode="tp")
+
+
+def _copy_tiny(tmp_path):
+    dst = str(tmp_path / "hf")
+    shutil.copytree(TINY, dst, ignore=shutil.ignore_patterns("drafter"))
+    with open(os.path.join(dst, hf_layout.INDEX_FILE)) as f:
+        return dst, json.load(f)["weight_map"]
+
+
+def _assert_refused(capsys, tmp_path, hf, *patterns):
+    out = str(tmp_path / "out")
+    assert convert_main(["--hf", hf, "--out", out, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    for pattern in patterns:
+        assert pattern in err, err
+    assert not os.path.exists(out) and not os.path.exists(out + converter.STAGING_SUFFIX)
+
+
+def test_missing_shard(tmp_path, capsys):
+    hf, weight_map = _copy_tiny(tmp_path)
+    shard = weight_map["language_model.model.layers.2.mlp.experts.5.up_proj.weight_packed"]
+    os.remove(os.path.join(hf, shard))
+    _assert_refused(capsys, tmp_path, hf, shard, "shard is missing")
+
+
+def test_truncated_shard(tmp_path, capsys):
+    hf, weight_map = _copy_tiny(tmp_path)
+    shard = os.path.join(hf, weight_map["language_model.lm_head.weight"])
+    os.truncate(shard, os.path.getsize(shard) - 100)
+    _assert_refused(capsys, tmp_path, hf, os.path.basename(shard), "truncated")
+
+
+def test_wrong_shape(tmp_path, capsys):
+    hf, weight_map = _copy_tiny(tmp_path)
+    name = "language_model.model.layers.1.self_attn.kv_b_proj.weight"
+    shard = os.path.join(hf, weight_map[name])
+    tensors = load_file(shard)
+    tensors[name] = tensors[name][:-8]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    _assert_refused(capsys, tmp_path, hf, "wrong shape", os.path.basename(shard), name)
+
+
+def test_missing_and_unexpected_tensors(tmp_path, capsys):
+    hf, weight_map = _copy_tiny(tmp_path)
+    gone, extra = "language_model.model.layers.3.mlp.experts.7.down_proj.weight_scale", "language_model.bogus.weight"
+    shard = os.path.join(hf, weight_map[gone])
+    tensors = load_file(shard)
+    del tensors[gone]
+    tensors[extra] = np.zeros(4, np.float32)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    weight_map[extra] = weight_map.pop(gone)
+    with open(os.path.join(hf, hf_layout.INDEX_FILE), "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    _assert_refused(capsys, tmp_path, hf, "missing: 'model.layers.3.mlp.experts.7.down_proj.weight_scale'",
+                    f"unexpected: {os.path.basename(shard)}: '{extra}'")
+
+
+def test_unknown_quantization_format(tmp_path, capsys):
+    hf, _ = _copy_tiny(tmp_path)
+    with open(os.path.join(hf, "config.json")) as f:
+        raw = json.load(f)
+    raw["text_config"]["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                                 "weight_block_size": [128, 128]}
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        json.dump(raw, f)
+    _assert_refused(capsys, tmp_path, hf, "quantization_config", "FP8")
+    with pytest.raises(ConfigError):
+        ModelConfig.from_hf_dir(hf)
+
+
+def test_existing_output_needs_overwrite(tmp_path, capsys, converted):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    assert convert_main(["--hf", TINY, "--out", str(out), "--no-progress"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert os.listdir(out) == ["keep.txt"] and not os.path.exists(str(out) + converter.STAGING_SUFFIX)
+    assert convert_main(["--hf", TINY, "--out", str(out), "--no-progress", "--overwrite"]) == 0
+    assert not os.path.exists(out / "keep.txt")
+    assert checkpoint.read_manifest(out)["leaves"] == checkpoint.read_manifest(converted)["leaves"]
+
+
+def test_loader_refuses_tampered_or_partial(tmp_path, converted):
+    out = tmp_path / "c"
+    shutil.copytree(converted, out)
+    with open(out / "manifest.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(checkpoint.IncompleteCheckpointError, match="does not match"):
+        checkpoint.restore(out)
+    os.remove(out / "COMPLETE")
+    with pytest.raises(checkpoint.IncompleteCheckpointError, match="no COMPLETE marker"):
+        checkpoint.restore(out)
+
+
+def test_dry_run_writes_nothing(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert convert_main(["--hf", TINY, "--out", out, "--dry-run", "--drafter", os.path.join(TINY, "drafter")]) == 0
+    text = capsys.readouterr().out
+    assert "moe.mlp.w13_packed" in text and "vision_tower: 4 tensors" in text and "layers.mlp.gate_up" in text
+    assert not os.path.exists(out) and not os.path.exists(out + converter.STAGING_SUFFIX)
+
+
+def test_drafter_dims_checked_against_target(tmp_path, capsys):
+    drafter = str(tmp_path / "d")
+    shutil.copytree(os.path.join(TINY, "drafter"), drafter)
+    with open(os.path.join(drafter, "config.json")) as f:
+        raw = json.load(f)
+    raw["vocab_size"] = 2048
+    with open(os.path.join(drafter, "config.json"), "w") as f:
+        json.dump(raw, f)
+    out = str(tmp_path / "out")
+    assert convert_main(["--hf", TINY, "--out", out, "--drafter", drafter, "--no-progress"]) == 2
+    assert "vocab_size" in capsys.readouterr().err
+    assert not os.path.exists(out)
