@@ -90,7 +90,7 @@ def load(path, *, drafter=None, mesh: Mesh | None = None, dtype: str = "bfloat16
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
     impls = impls or ops.Impls.auto(mesh, expert_mode)
-    if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+    if any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors.index.json", "model.safetensors")):
         from convert import hf_layout
         cfg = ModelConfig.from_hf_dir(path)
         params = place(hf_layout.read_hf_params(path, cfg, dtype=dtype), cfg, mesh, expert_mode)
