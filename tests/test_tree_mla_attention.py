@@ -1,0 +1,165 @@
+"""tree_mla_attention: reference vs a per-row loop, Pallas kernel (interpret mode) vs reference, sharding,
+cuda lowering. Shapes are bucketed (one cache length, a few (T, H) pairs) so compiles are shared."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import AbstractDevice, AbstractMesh, Mesh, use_abstract_mesh
+
+from pallas_kernels.tree_mla_attention import (tree_mla_attention, tree_mla_attention_reference,
+                                               tree_mla_attention_sharded)
+
+R, P = 64, 16  # the tiny model's latent / rope widths
+S_MAX = 1000
+PREFIX_LENS = [0, 1, 5, 127, 128, 1000]  # one per sequence, C = 6
+SCALE = 0.2
+
+
+def tree_visibility(rng, C, T):
+  """[C, T, T] ancestor-or-self relation of random trees with parents[i] < i."""
+  vis = np.zeros((C, T, T), bool)
+  for c in range(C):
+    for i in range(T):
+      vis[c, i, i] = True
+      if i:
+        vis[c, i] |= vis[c, rng.integers(0, i)]
+  return vis
+
+
+def make_inputs(seed, T, H, *, R=R, P=P, prefix_lens=PREFIX_LENS, S=S_MAX, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  C = len(prefix_lens)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+  return (normal(C, T, H, R), normal(C, T, H, P), normal(C, S, R + P), jnp.asarray(prefix_lens, jnp.int32),
+          normal(C, T, R + P), jnp.asarray(tree_visibility(rng, C, T)))
+
+
+def rel_err(out, ref):
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+def loop_reference(q_lat, q_rope, cache, prefix_len, tail, visibility, scale):
+  """Row-by-row float64 softmax over the keys each row sees."""
+  q_lat, q_rope, cache, tail = (np.asarray(a, np.float64) for a in (q_lat, q_rope, cache, tail))
+  C, T, H, R_ = q_lat.shape
+  out = np.zeros(q_lat.shape)
+  for c in range(C):
+    for t in range(T):
+      keys = np.concatenate([cache[c, :prefix_len[c]], tail[c][np.asarray(visibility[c, t])]])
+      for h in range(H):
+        if len(keys):
+          s = (keys[:, :R_] @ q_lat[c, t, h] + keys[:, R_:] @ q_rope[c, t, h]) * scale
+          p = np.exp(s - s.max())
+          out[c, t, h] = p @ keys[:, :R_] / p.sum()
+  return out
+
+
+def test_reference_matches_row_loop():
+  args = make_inputs(0, 5, 3, prefix_lens=[0, 3, 17], S=20)
+  vis = np.array(args[5])
+  vis[0, 2] = False  # a row with no prefix and an empty tree row: defined as 0
+  args = (*args[:5], jnp.asarray(vis))
+  out = tree_mla_attention_reference(*args, scale=SCALE)
+  np.testing.assert_allclose(out, loop_reference(*args, SCALE), rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(out[0, 2]) == 0)
+
+
+@functools.cache
+def kernel(**knobs):
+  return jax.jit(functools.partial(tree_mla_attention, scale=SCALE, interpret=True, **knobs))
+
+
+@pytest.mark.parametrize("T,H", [(1, 1), (1, 8), (2, 8), (9, 8), (33, 1), (65, 1), (1, 64), (2, 64)])
+def test_kernel_matches_reference_float32(T, H):
+  args = make_inputs(T * 100 + H, T, H)
+  ref = tree_mla_attention_reference(*args, scale=SCALE)
+  out = kernel()(*args)
+  assert out.dtype == jnp.float32
+  assert rel_err(out, ref) < 1e-5
+  np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("knobs", [dict(block_m=16, block_k=16, num_splits=3), dict(block_r=32, num_splits=1),
+                                   dict(block_k=128, num_splits=7)])
+def test_kernel_knobs_float32(knobs):
+  args = make_inputs(1, 9, 8)
+  assert rel_err(kernel(**knobs)(*args), tree_mla_attention_reference(*args, scale=SCALE)) < 1e-5
+
+
+def test_kernel_k26_widths_bfloat16():
+  args = make_inputs(2, 9, 8, R=512, P=64, prefix_lens=[0, 127, 300], S=300, dtype=jnp.bfloat16)
+  out = kernel()(*args)
+  assert out.dtype == jnp.bfloat16
+  ref = tree_mla_attention_reference(*(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args),
+                                     scale=SCALE)
+  assert rel_err(out, ref) <= 1e-2
+
+
+def test_large_logits_no_nan():
+  q_lat, q_rope, *rest = make_inputs(3, 9, 8)
+  args = (q_lat * 300, q_rope * 300, *rest)  # logits of order 1e4
+  out = kernel()(*args)
+  assert np.isfinite(np.asarray(out)).all()
+  assert rel_err(out, tree_mla_attention_reference(*args, scale=SCALE)) < 1e-4
+
+
+def test_rows_seeing_only_themselves():
+  q_lat, q_rope, cache, _, tail, _ = make_inputs(4, 9, 8)
+  C = cache.shape[0]
+  no_prefix = jnp.zeros((C,), jnp.int32)
+  only_self = jnp.broadcast_to(jnp.eye(9, dtype=bool), (C, 9, 9))
+  out = kernel()(q_lat, q_rope, cache, no_prefix, tail, only_self)
+  np.testing.assert_allclose(out, jnp.broadcast_to(tail[:, :, None, :R], out.shape), rtol=1e-6, atol=1e-6)
+  nothing = jnp.zeros_like(only_self)  # defined: a row that sees no key outputs 0
+  assert np.all(np.asarray(kernel()(q_lat, q_rope, cache, no_prefix, tail, nothing)) == 0)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_sharded_heads_equal_unsharded(impl):
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 8), ("data", "model"))  # as k26jax.sharding.make_mesh
+  args = make_inputs(5, 2, 16, prefix_lens=[0, 77], S=100)
+  sharded = tree_mla_attention_sharded(mesh, impl=impl, interpret=True) if impl == "pallas" else \
+      tree_mla_attention_sharded(mesh, impl=impl)
+  out = jax.jit(functools.partial(sharded, scale=SCALE))(*args)
+  assert rel_err(out, tree_mla_attention_reference(*args, scale=SCALE)) < 1e-5
+
+
+def test_bad_arguments_raise():
+  args = make_inputs(6, 2, 4, prefix_lens=[3], S=8)
+  with pytest.raises(ValueError, match="tail"):
+    tree_mla_attention_reference(*args[:4], args[4][:, :1], args[5], scale=SCALE)
+  with pytest.raises(ValueError, match="visibility"):
+    tree_mla_attention(*args[:5], args[5].astype(jnp.int32), scale=SCALE, interpret=True)
+  with pytest.raises(ValueError, match="power of two"):
+    tree_mla_attention_reference(args[0][..., :48], *args[1:], scale=SCALE)
+  with pytest.raises(ValueError, match="block_k"):
+    tree_mla_attention(*args, scale=SCALE, block_k=24, interpret=True)
+  with pytest.raises(ValueError, match="impl"):
+    tree_mla_attention_sharded(Mesh(np.asarray(jax.devices()[:8]), ("model",)), impl="cuda")
+
+
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                                                  platform="cuda"))
+
+
+@pytest.mark.parametrize("T,H,R_,P_,knobs", [
+    (65, 64, 512, 64, {}),                                  # verify tile: block_m 64, 8 warps, 256-wide chunks
+    (1, 64, 512, 64, {}),                                   # decode, all heads on one GPU
+    (1, 8, 512, 64, {}),                                    # decode under TP-8: block_m 16, whole latent
+    (33, 8, 512, 64, dict(block_k=32, block_r=128)),
+    (9, 16, 64, 16, {}),                                    # tiny model widths
+])
+def test_lowers_for_cuda(T, H, R_, P_, knobs):
+  C, S = 2, 4096
+  bf16 = jnp.bfloat16
+  shapes = [((C, T, H, R_), bf16), ((C, T, H, P_), bf16), ((C, S, R_ + P_), bf16), ((C,), jnp.int32),
+            ((C, T, R_ + P_), bf16), ((C, T, T), jnp.bool_)]
+  args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+  with use_abstract_mesh(H200):
+    hlo = jax.jit(functools.partial(tree_mla_attention, scale=SCALE, **knobs)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert hlo.count(plgpu.CUSTOM_CALL_TARGET_NAME) == 2  # prefix and tail kernels
