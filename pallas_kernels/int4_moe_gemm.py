@@ -118,15 +118,15 @@ def _dequant_asm(k):
     halves = "0x5410" if k < 4 else "0x7632"
     shift = f"shr.u32 t, t, {4 * (k % 4)};" if k % 4 else ""
     return f"""{{
-.reg .b32 t, mask, magic, one, neg136, negzero;
-mov.b32 mask, 0x000F000F;
+.reg .b32 t, lowbits, magic, one, neg136, negzero;
+mov.b32 lowbits, 0x000F000F;
 mov.b32 magic, 0x43004300;
 mov.b32 one, 0x3F803F80;
 mov.b32 neg136, 0xC308C308;
 mov.b32 negzero, 0x80008000;
 prmt.b32 t, $1, $2, {halves};
 {shift}
-lop3.b32 t, t, mask, magic, 0xEA;
+lop3.b32 t, t, lowbits, magic, 0xEA;
 fma.rn.bf16x2 t, t, one, neg136;
 fma.rn.bf16x2 $0, t, $3, negzero;
 }}"""
@@ -229,27 +229,27 @@ def _block_pairs(block, route_refs, *, per_pair, block_m):
     return block_expert_ref[block], slot_pair_ref[pl.ds(block * block_m, block_m)]
 
 
-def _dequantize_tile(packed, scale, dtype, dequant):
-    """packed [kw, n] int32, scale [kw, n] bf16 (one row per word) -> 8 tiles [kw, n] of bf16(q * scale) in
-    `dtype`; tile k holds input rows 8 * word + k."""
-    if dequant == "asm":  # one asm instance handles two words (pack=2) for one nibble
-        return [plgpu.elementwise_inline_asm(
-                    _dequant_asm(k), args=[packed, scale], constraints="=r,r,r,r", pack=2,
-                    result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])[0].astype(dtype)
-                for k in range(PACK)]
-    scale = scale.astype(jnp.float32)
-    tiles = []
-    for k in range(PACK):
-        nibble_bits = ((packed >> (4 * k)) & 0xF) | _F32_TWO_POW_23
-        q = jax.lax.bitcast_convert_type(nibble_bits, jnp.float32) - float(2**23 + 8)
-        w = q * scale  # exact: a 4-bit times an 8-bit significand
-        if dtype == jnp.bfloat16:
-            tiles.append(w.astype(jnp.bfloat16))
-        else:  # round to bf16 on the bits: interpret mode's XLA may drop an f32->bf16->f32 round trip
-            bits = jax.lax.bitcast_convert_type(w, jnp.int32)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            tiles.append(jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype))
-    return tiles
+def _scale_for(scale, dequant):
+    """Scale tile in the form _dequantize_nibble takes: bf16 for the PTX path, f32 for the f32 path."""
+    return scale if dequant == "asm" else scale.astype(jnp.float32)
+
+
+def _dequantize_nibble(packed, scale, k, dtype, dequant):
+    """packed [kw, n] int32, scale [kw, n] (bf16 for "asm", f32 for "f32"; one row per word) -> [kw, n]
+    bf16(q * scale) of nibble k in `dtype`, i.e. the weights of input rows 8 * word + k."""
+    if dequant == "asm":  # one asm instance handles two words (pack=2)
+        [w] = plgpu.elementwise_inline_asm(
+            _dequant_asm(k), args=[packed, scale], constraints="=r,r,r,r", pack=2,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])
+        return w.astype(dtype)
+    nibble_bits = ((packed >> (4 * k)) & 0xF) | _F32_TWO_POW_23
+    w = (jax.lax.bitcast_convert_type(nibble_bits, jnp.float32) - float(2**23 + 8)) * scale  # exact product
+    if dtype == jnp.bfloat16:
+        return w.astype(jnp.bfloat16)
+    # Round to bf16 on the bits: interpret mode's XLA may drop an f32 -> bf16 -> f32 round trip.
+    bits = jax.lax.bitcast_convert_type(w, jnp.int32)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
 
 
 def _dot(a, b):
@@ -278,15 +278,14 @@ def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block
             words = step * block_kw + jnp.arange(block_kw)
             rows = pl.ds(step * block_kw, block_kw)
             scale_rows = words // _WORDS_PER_GROUP
-            gate = _dequantize_tile(w_ref[expert, rows, 0, cols], s_ref[expert, scale_rows, 0, cols],
-                                    x_ref.dtype, dequant)
-            up = _dequantize_tile(w_ref[expert, rows, 1, cols], s_ref[expert, scale_rows, 1, cols],
-                                  x_ref.dtype, dequant)
-            for k in range(PACK):
+            gate_packed, up_packed = w_ref[expert, rows, 0, cols], w_ref[expert, rows, 1, cols]
+            gate_scale = _scale_for(s_ref[expert, scale_rows, 0, cols], dequant)
+            up_scale = _scale_for(s_ref[expert, scale_rows, 1, cols], dequant)
+            for k in range(PACK):  # one nibble's tiles live at a time
                 x_k = plgpu.load(x_ref.at[token[:, None], (PACK * words + k)[None, :]],
                                  mask=row_ok[:, None], other=0)
-                acc_gate += _dot(x_k, gate[k])
-                acc_up += _dot(x_k, up[k])
+                acc_gate += _dot(x_k, _dequantize_nibble(gate_packed, gate_scale, k, x_ref.dtype, dequant))
+                acc_up += _dot(x_k, _dequantize_nibble(up_packed, up_scale, k, x_ref.dtype, dequant))
             return acc_gate, acc_up
 
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
@@ -313,12 +312,12 @@ def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps
 
         def k_step(step, acc):
             words = step * block_kw + jnp.arange(block_kw)
-            tiles = _dequantize_tile(w_ref[expert, pl.ds(step * block_kw, block_kw), cols],
-                                     s_ref[expert, words // _WORDS_PER_GROUP, cols], h_ref.dtype, dequant)
+            packed = w_ref[expert, pl.ds(step * block_kw, block_kw), cols]
+            scale = _scale_for(s_ref[expert, words // _WORDS_PER_GROUP, cols], dequant)
             for k in range(PACK):
                 h_k = plgpu.load(h_ref.at[slots[:, None], (PACK * words + k)[None, :]],
                                  mask=row_ok[:, None], other=0)
-                acc += _dot(h_k, tiles[k])
+                acc += _dot(h_k, _dequantize_nibble(packed, scale, k, h_ref.dtype, dequant))
             return acc
 
         first = split * steps_per_split
