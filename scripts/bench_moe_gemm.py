@@ -21,12 +21,15 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import int4_moe_gemm as moe
+
+warnings.filterwarnings("ignore", category=DeprecationWarning, message="The Pallas Triton backend is deprecated")
 
 K26 = dict(num_experts=384, top_k=8, d=7168, i=2048)
 QUICK = dict(num_experts=16, top_k=4, d=256, i=256)
