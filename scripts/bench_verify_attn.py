@@ -1,13 +1,17 @@
-"""Benchmark tree_mla_attention (Pallas-Triton) against its roofline floor and a naive XLA version.
+"""Benchmark tree_mla_attention (Pallas-Triton) against its roofline floor and a naive XLA version (GPU).
 
-  PYTHONPATH=. python3 scripts/bench_verify_attn.py --mode sweep --out bench/results/verify_attn_h200.json
-  --mode spike: GPU correctness check plus a tile-configuration comparison on three key shapes.
+  PYTHONPATH=. python3 scripts/bench_verify_attn.py --out bench/results/verify_attn_h200.json
 
-Floor = max(latent-cache bytes / 4.0 TB/s, FLOPs / 620 TFLOP/s), FLOPs = 2*C*T*H*(S + visible tail)*(R+P+R).
-The same run measures the copy and bf16 matmul ceilings (pct_of_measured_floor uses those). Timing: one
-jit runs the op on several independent input sets (more than 2x L2 in total), median of repeats.
+1. GPU correctness checks (bf16 kernel vs float32 reference).
+2. Tune: each tile candidate on one shape per regime (verify T > 1, decode T = 1 with 64 heads, decode
+   under TP-8), checked against the reference; the fastest becomes that regime's knobs.
+3. Sweep prefix / batch / T / heads with the chosen knobs, with the naive XLA version where it fits.
+Floor = max(latent-cache bytes / 4.0 TB/s, FLOPs / 620 TFLOP/s), FLOPs = 2*C*T*H*(S + visible tail)*(R+P+R);
+pct_of_measured_floor uses the copy and bf16 matmul ceilings measured in the same run. Timing: back-to-back
+calls rotating over independent input sets (> 2x L2 in total where memory allows), median of repeats.
 """
 import argparse
+import concurrent.futures
 import datetime
 import functools
 import json
@@ -69,42 +73,44 @@ def naive_xla(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale):
   return (o + jnp.einsum("cths,csr->cthr", p[..., S:], tail[..., :R], preferred_element_type=f32)).astype(q_lat.dtype)
 
 
-def seconds_per_call(fn, arg_sets, repeats=5):
-  """Median over repeats of one jitted launch that applies fn to every argument set, per call."""
-  run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
-  jax.block_until_ready(run_all(arg_sets))
+def seconds_per_call(compiled, arg_sets, target_s=0.05, repeats=5):
+  """Median over repeats of back-to-back calls (rotating over arg_sets) between two block_until_ready."""
+  jax.block_until_ready(compiled(*arg_sets[0]))
+  t0 = time.perf_counter()
+  jax.block_until_ready(compiled(*arg_sets[-1]))
+  calls = int(min(500, max(len(arg_sets), target_s / max(time.perf_counter() - t0, 1e-6))))
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(run_all(arg_sets))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) / len(arg_sets)
+    for i in range(calls):
+      out = compiled(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / calls)
+  return statistics.median(times)
 
 
-def measure_ceilings():
-  x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB
-  copy = jax.jit(lambda x: x + 1)
-  jax.block_until_ready(copy(x))
-  t0 = time.perf_counter()
-  for _ in range(10):
-    y = copy(x)
-  jax.block_until_ready(y)
-  copy_bps = 10 * 2 * x.nbytes / (time.perf_counter() - t0)
-  del x, y
-  a = jnp.ones((8192, 8192), jnp.bfloat16)
-  mm = jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.bfloat16))
-  jax.block_until_ready(mm(a))
-  t0 = time.perf_counter()
-  for _ in range(20):
-    z = mm(a)
-  jax.block_until_ready(z)
-  mm_flops = 20 * 2 * 8192 ** 3 / (time.perf_counter() - t0)
-  return copy_bps, mm_flops
+def abstract_args(C, S, T, H):
+  bf16 = jnp.bfloat16
+  shapes = [((C, T, H, R), bf16), ((C, T, H, P), bf16), ((C, S, R + P), bf16), ((C,), jnp.int32),
+            ((C, T, R + P), bf16), ((C, T, T), jnp.bool_)]
+  return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+
+
+def compile_all(jobs):
+  """jobs: {key: (fn, point)} -> {key: compiled executable or the exception}, compiled in parallel threads."""
+  def build(fn, point):
+    try:
+      return jax.jit(fn).lower(*abstract_args(*point)).compile()
+    except Exception as e:  # a tile that does not fit (shared memory, registers) is a result
+      return e
+  with concurrent.futures.ThreadPoolExecutor(12) as pool:
+    futures = {key: pool.submit(build, *job) for key, job in jobs.items()}
+    return {key: f.result() for key, f in futures.items()}
 
 
 def num_sets_for(C, S, T, H):
   set_bytes = 2 * (C * S * (R + P) + C * T * H * (R + P) + C * T * (R + P))
-  return int(min(32, max(2, math.ceil(2 * L2_BYTES / set_bytes))))
+  return int(min(16, max(2, math.ceil(2 * L2_BYTES / set_bytes))))
 
 
 def roofline(C, S, T, H, visibility, ceilings):
@@ -122,73 +128,19 @@ def relative_error(out, ref):
 
 
 def gpu_checks():
-  """bf16 kernel vs float32 reference on the GPU, ragged prefixes and random trees."""
+  """bf16 kernel (default knobs) vs float32 reference on the GPU: ragged prefixes, random trees."""
   rows = []
   for C, S, T, H, prefix in [(3, 3001, 33, 64, [3001, 0, 1234]), (4, 1000, 1, 64, [1000, 1, 127, 0]),
                              (2, 777, 9, 8, [5, 777])]:
     args = make_input_sets(C, S, T, H, 1, seed=7, prefix_len=prefix)[0]
-    out = tree_mla_attention(*args, scale=SCALE)
-    ref = tree_mla_attention_reference(*(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args),
-                                       scale=SCALE)
-    rows.append(dict(C=C, S=S, T=T, H=H, rel_err=relative_error(out, ref),
-                     finite=bool(jnp.isfinite(out.astype(jnp.float32)).all())))
+    try:
+      out = jax.jit(functools.partial(tree_mla_attention, scale=SCALE))(*args)
+      rows.append(dict(C=C, S=S, T=T, H=H, rel_err=relative_error(out, reference_output(args)),
+                       finite=bool(jnp.isfinite(out.astype(jnp.float32)).all())))
+    except Exception as e:
+      rows.append(dict(C=C, S=S, T=T, H=H, error=f"{type(e).__name__}: {str(e)[:300]}"))
     print("check", rows[-1], flush=True)
   return rows
-
-
-SPIKE_CONFIGS = [
-    dict(block_m=64, block_k=32, num_warps=8, num_stages=2),
-    dict(block_m=64, block_k=64, num_warps=8, num_stages=2),
-    dict(block_m=64, block_k=32, num_warps=8, num_stages=3),
-    dict(block_m=64, block_k=16, num_warps=8, num_stages=4),
-    dict(block_m=128, block_k=32, block_r=256, num_warps=8, num_stages=2),
-    dict(block_m=64, block_k=32, block_r=256, num_warps=4, num_stages=2),
-    dict(block_m=32, block_k=64, num_warps=4, num_stages=2),
-    dict(block_m=64, block_k=32, num_warps=4, num_stages=2),
-]
-SPIKE_SHAPES = [  # (C, S, T, H, extra configs)
-    (8, 32768, 65, 64, []),
-    (8, 32768, 1, 64, [dict(block_m=64, block_k=64, num_warps=8, num_stages=2, num_splits=33),
-                       dict(block_m=64, block_k=64, num_warps=8, num_stages=2, num_splits=8)]),
-    (8, 32768, 1, 8, [dict(block_m=16, block_k=64, num_warps=4, num_stages=3),
-                      dict(block_m=16, block_k=128, num_warps=4, num_stages=3),
-                      dict(block_m=16, block_k=64, num_warps=4, num_stages=2, num_splits=33)]),
-]
-
-SWEEP = [  # (C, S, T, H), most important first
-    (8, 32768, 65, 64), (8, 32768, 1, 64), (1, 8192, 65, 64), (8, 8192, 65, 64), (8, 32768, 33, 64),
-    (8, 32768, 65, 8), (8, 32768, 1, 8), (8, 8192, 1, 64), (1, 32768, 1, 64), (1, 32768, 65, 64),
-    (1, 65536, 33, 64), (16, 4096, 33, 64), (8, 65536, 1, 64), (8, 8192, 129, 64), (16, 32768, 1, 64),
-    (1, 8192, 1, 64), (1, 8192, 33, 64), (8, 8192, 33, 64), (8, 1024, 65, 64), (8, 1024, 1, 64),
-    (1, 1024, 1, 64), (1, 1024, 33, 64), (1, 1024, 65, 64), (8, 1024, 33, 64),
-    (1, 32768, 33, 64), (8, 32768, 33, 8), (8, 8192, 65, 8), (8, 8192, 33, 8), (8, 8192, 1, 8),
-    (1, 32768, 65, 8), (1, 32768, 1, 8), (1, 8192, 65, 8), (1, 8192, 1, 8), (1, 1024, 65, 8),
-    (8, 1024, 65, 8), (8, 1024, 1, 8), (1, 1024, 1, 8), (16, 8192, 129, 8),
-]
-
-
-def bench_point(C, S, T, H, arg_sets, ceilings, knobs, with_naive, reference=None):
-  """Times the kernel with `knobs` (and the naive XLA version) on arg_sets; checks it against `reference`
-  (the float32 reference output on arg_sets[0]) when given."""
-  cache_bytes, flops, floor, measured_floor = roofline(C, S, T, H, arg_sets[0][5], ceilings)
-  row = dict(C=C, prefix=S, T=T, H=H, knobs=knobs, cache_bytes=cache_bytes, flops=flops, floor_s=floor)
-  t0 = time.perf_counter()
-  attention = functools.partial(tree_mla_attention, scale=SCALE, **knobs)
-  try:
-    if reference is not None:
-      row["rel_err"] = relative_error(jax.jit(attention)(*arg_sets[0]), reference)
-    sec = seconds_per_call(attention, arg_sets)
-    row.update(time_s=sec, pct_of_floor=100 * floor / sec, pct_of_measured_floor=100 * measured_floor / sec,
-               tflops=flops / sec / 1e12, cache_tb_per_s=cache_bytes / sec / 1e12)
-  except Exception as e:  # a tile that does not compile (shared memory, registers) is a result
-    row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
-  if with_naive and C * T * H * (S + T) * 6 <= NAIVE_MAX_SCORE_BYTES:
-    naive = seconds_per_call(functools.partial(naive_xla, scale=SCALE), arg_sets[:2], repeats=3)
-    row.update(naive_xla_s=naive, naive_pct_of_floor=100 * floor / naive)
-    if "time_s" in row:
-      row["speedup_vs_naive"] = naive / row["time_s"]
-  row["wall_s"] = time.perf_counter() - t0
-  return row
 
 
 def reference_output(args):
@@ -196,61 +148,136 @@ def reference_output(args):
   return jax.jit(functools.partial(tree_mla_attention_reference, scale=SCALE))(*f32_args)
 
 
+# Tile candidates, checked offline for shared memory (Triton 3.9 for sm_90a) before this run.
+WIDE = {  # block_m = 64 (H = 64, or H = 8 with T >= 8), 8 warps
+    "k64_r256": dict(block_m=64, block_k=64, block_r=256, num_stages=2),
+    "k64_r512": dict(block_m=64, block_k=64, block_r=512, num_stages=2),
+    "k32_r128": dict(block_m=64, block_k=32, block_r=128, num_stages=2),
+    "k32_r512_s3": dict(block_m=64, block_k=32, block_r=512, num_stages=3),
+}
+NARROW = {  # H = 8, T = 1: block_m = 16, 4 warps
+    "k64_r512": dict(block_m=16, block_k=64, block_r=512, num_stages=2, num_warps=4),
+    "k64_r512_sp33": dict(block_m=16, block_k=64, block_r=512, num_stages=2, num_warps=4, num_splits=33),
+    "k32_r512_s4": dict(block_m=16, block_k=32, block_r=512, num_stages=4, num_warps=4),
+    "k64_r128_s3": dict(block_m=16, block_k=64, block_r=128, num_stages=3, num_warps=4),
+}
+TUNE = {"verify": ((8, 32768, 65, 64), WIDE), "decode": ((8, 32768, 1, 64), WIDE),
+        "decode_tp8": ((8, 32768, 1, 8), NARROW)}
+
+
+def regime(T, H):
+  if H * T <= 16:
+    return "decode_tp8"
+  return "decode" if T == 1 else "verify"
+
+
+SWEEP = [  # (C, S, T, H, with naive XLA), most important first
+    (8, 32768, 65, 64, True), (8, 32768, 1, 64, True), (8, 32768, 33, 64, True), (1, 8192, 65, 64, True),
+    (8, 8192, 65, 64, True), (8, 32768, 65, 8, True), (8, 32768, 1, 8, True), (8, 65536, 1, 64, True),
+    (1, 65536, 33, 64, True), (16, 4096, 33, 64, True), (8, 8192, 129, 64, True), (16, 32768, 1, 64, False),
+    (8, 8192, 1, 64, True), (1, 32768, 1, 64, True), (1, 32768, 65, 64, False), (8, 1024, 65, 64, True),
+    (8, 1024, 1, 64, False), (1, 1024, 1, 64, True), (1, 1024, 65, 64, False), (1, 8192, 1, 64, False),
+    (1, 8192, 33, 64, False), (8, 8192, 33, 8, False), (8, 8192, 1, 8, False), (1, 32768, 65, 8, False),
+    (1, 32768, 1, 8, False), (16, 8192, 129, 8, False), (1, 8192, 65, 8, False), (8, 1024, 65, 8, False),
+    (1, 1024, 1, 8, False), (8, 32768, 33, 8, False),
+]
+
+
+def time_row(point, arg_sets, ceilings, kernel, knobs, naive=None, reference=None):
+  C, S, T, H = point
+  cache_bytes, flops, floor, measured_floor = roofline(C, S, T, H, arg_sets[0][5], ceilings)
+  row = dict(C=C, prefix=S, T=T, H=H, knobs=knobs, cache_bytes=cache_bytes, flops=flops, floor_s=floor,
+             measured_floor_s=measured_floor)
+  if isinstance(kernel, Exception):
+    row["error"] = f"{type(kernel).__name__}: {str(kernel)[:300]}"
+  else:
+    if reference is not None:
+      row["rel_err"] = relative_error(kernel(*arg_sets[0]), reference)
+    sec = seconds_per_call(kernel, arg_sets)
+    row.update(time_s=sec, pct_of_floor=100 * floor / sec, pct_of_measured_floor=100 * measured_floor / sec,
+               tflops=flops / sec / 1e12, cache_tb_per_s=cache_bytes / sec / 1e12)
+  if naive is not None and not isinstance(naive, Exception):
+    row.update(naive_xla_s=seconds_per_call(naive, arg_sets[:2], target_s=0.03, repeats=3))
+    row["naive_pct_of_floor"] = 100 * floor / row["naive_xla_s"]
+    if "time_s" in row:
+      row["speedup_vs_naive"] = row["naive_xla_s"] / row["time_s"]
+  return row
+
+
 def fmt(row):
+  head = f"{row['C']:>3} {row['prefix']:>6} {row['T']:>4} {row['H']:>3}"
   if "error" in row:
-    return f"{row['C']:>3} {row['prefix']:>6} {row['T']:>4} {row['H']:>3}  ERROR {row['error'][:90]}  {row['knobs']}"
+    return f"{head}  ERROR {row['error'][:100]}  {row['knobs']}"
   naive = f"{row['naive_xla_s'] * 1e3:9.3f} {row['speedup_vs_naive']:6.2f}x" if "naive_xla_s" in row else " " * 17
-  return (f"{row['C']:>3} {row['prefix']:>6} {row['T']:>4} {row['H']:>3} {row['time_s'] * 1e3:9.3f} "
-          f"{row['floor_s'] * 1e3:9.3f} {row['pct_of_floor']:6.1f}% {row['tflops']:7.1f} {row['cache_tb_per_s']:6.2f} "
-          f"{naive}  {row['knobs']}")
+  return (f"{head} {row['time_s'] * 1e3:9.3f} {row['floor_s'] * 1e3:9.3f} {row['pct_of_floor']:6.1f}% "
+          f"{row['tflops']:7.1f} {row['cache_tb_per_s']:6.2f} {naive}  {row['knobs']}")
+
+
+HEADER = "  C prefix    T   H   time_ms  floor_ms  %floor  TFLOP/s  TB/s  naive_ms speedup  knobs"
 
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--mode", choices=["spike", "sweep"], default="sweep")
   parser.add_argument("--out", required=True)
   parser.add_argument("--budget_s", type=float, default=170.0, help="stop starting new points after this")
   parser.add_argument("--commit", default="unknown")
-  parser.add_argument("--knobs", default="{}", help="JSON dict of tree_mla_attention block knobs for --mode sweep")
-  parser.add_argument("--knobs_h8", default=None, help="JSON knobs for H=8 points (default: --knobs)")
   args = parser.parse_args()
   start = time.perf_counter()
-  ceilings = measure_ceilings()
-  print(f"ceilings: copy {ceilings[0] / 1e12:.2f} TB/s, bf16 matmul {ceilings[1] / 1e12:.0f} TFLOP/s", flush=True)
   record = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.UTC).isoformat(),
-                commit=args.commit, command=" ".join(["PYTHONPATH=. python3", *sys.argv]),
-                jax=jax.__version__, copy_tb_per_s=ceilings[0] / 1e12, matmul_tflops=ceilings[1] / 1e12,
-                floor_model=dict(hbm_tb_per_s=4.0, mma_tflops=620), rows=[], skipped=[])
+                commit=args.commit, command=" ".join(["PYTHONPATH=. python3", *sys.argv]), jax=jax.__version__,
+                floor_model=dict(hbm_tb_per_s=HBM_BYTES_PER_S / 1e12, mma_tflops=MMA_FLOPS_PER_S / 1e12),
+                tune=[], rows=[], skipped=[])
+  save = lambda: json.dump(record, open(args.out, "w"), indent=1)
+  ceilings = measure_ceilings()
+  record.update(copy_tb_per_s=ceilings[0] / 1e12, matmul_tflops=ceilings[1] / 1e12)
+  print(f"ceilings: copy {ceilings[0] / 1e12:.2f} TB/s, bf16 matmul {ceilings[1] / 1e12:.0f} TFLOP/s", flush=True)
+
+  # 1. Tune: every candidate tile on one shape per regime, checked against the float32 reference.
+  jobs = {(name, cand): (functools.partial(tree_mla_attention, scale=SCALE, **knobs), point)
+          for name, (point, cands) in TUNE.items() for cand, knobs in cands.items()}
+  sweep_naive = {point[:4]: (functools.partial(naive_xla, scale=SCALE), point[:4]) for point in SWEEP if point[4]
+                 and point[0] * point[2] * point[3] * (point[1] + point[2]) * 6 <= NAIVE_MAX_SCORE_BYTES}
+  compiled = compile_all({**jobs, **{("naive", p): job for p, job in sweep_naive.items()}})
+  print(f"compiled tune candidates + naive baselines [{time.perf_counter() - start:.0f}s]", flush=True)
   record["checks"] = gpu_checks()
-  if args.mode == "spike":
-    work = [((C, S, T, H), (SPIKE_CONFIGS if H == 64 else SPIKE_CONFIGS[:1]) + extra, False)
-            for C, S, T, H, extra in SPIKE_SHAPES]
-  else:
-    knobs = json.loads(args.knobs)
-    knobs_h8 = json.loads(args.knobs_h8) if args.knobs_h8 else knobs
-    work = [(point, [knobs if point[3] == 64 else knobs_h8], True) for point in SWEEP]
-  for point, configs, with_naive in work:
+  best = {}
+  for name, (point, cands) in TUNE.items():
+    arg_sets = make_input_sets(*point, num_sets_for(*point))
+    reference = reference_output(arg_sets[0])
+    for cand, knobs in cands.items():
+      row = time_row(point, arg_sets, ceilings, compiled[(name, cand)], knobs, reference=reference)
+      row.update(regime=name, candidate=cand)
+      record["tune"].append(row)
+      print("tune", name, fmt(row), f"rel_err={row.get('rel_err', float('nan')):.1e}", flush=True)
+      if "time_s" in row and row["rel_err"] < 1e-2 and row["time_s"] < best.get(name, (None, math.inf))[1]:
+        best[name] = (knobs, row["time_s"])
+    del arg_sets, reference
+    save()
+  record["chosen_knobs"] = {name: knobs for name, (knobs, _) in best.items()}
+  print("chosen", record["chosen_knobs"], f"[{time.perf_counter() - start:.0f}s]", flush=True)
+
+  # 2. Sweep with the chosen tile per regime.
+  knobs_for = lambda point: record["chosen_knobs"].get(regime(point[2], point[3]), {})
+  kernels = compile_all({p[:4]: (functools.partial(tree_mla_attention, scale=SCALE, **knobs_for(p)), p[:4])
+                         for p in SWEEP})
+  print(f"compiled sweep [{time.perf_counter() - start:.0f}s]", flush=True)
+  for *point, _ in SWEEP:
+    point = tuple(point)
     if time.perf_counter() - start > args.budget_s:
-      record["skipped"].extend(dict(point=point, knobs=knobs) for knobs in configs)
+      record["skipped"].append(point)
       continue
     arg_sets = make_input_sets(*point, num_sets_for(*point))
-    reference = reference_output(arg_sets[0]) if args.mode == "spike" else None
-    for knobs in configs:
-      if time.perf_counter() - start > args.budget_s:
-        record["skipped"].append(dict(point=point, knobs=knobs))
-        continue
-      row = bench_point(*point, arg_sets, ceilings, knobs, with_naive, reference)
-      record["rows"].append(row)
-      print(fmt(row), f"rel_err={row.get('rel_err', float('nan')):.2e} [{row['wall_s']:.1f}s]", flush=True)
-      with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
-    del arg_sets, reference
-  with open(args.out, "w") as f:
-    json.dump(record, f, indent=1)
-  print("\n  C prefix    T   H   time_ms  floor_ms  %floor  TFLOP/s  TB/s  naive_ms speedup  knobs")
+    row = time_row(point, arg_sets, ceilings, kernels[point], knobs_for(point), compiled.get(("naive", point)))
+    row["regime"] = regime(point[2], point[3])
+    record["rows"].append(row)
+    print(fmt(row), flush=True)
+    del arg_sets
+    save()
+  save()
+  print("\n" + HEADER)
   for row in record["rows"]:
     print(fmt(row))
-  print("skipped:", [s["point"] for s in record["skipped"]])
+  print("skipped:", record["skipped"])
 
 
 if __name__ == "__main__":
