@@ -18,8 +18,15 @@ F32 = jnp.float32
 
 
 def mm(subscripts: str, x, w):
-    """einsum with fp32 accumulation, returned in x's dtype."""
-    return jnp.einsum(subscripts, x, w.astype(x.dtype), preferred_element_type=F32).astype(x.dtype)
+    """einsum with fp32 accumulation, returned in x's dtype.
+
+    XLA:CPU has no bf16 x bf16 -> f32 batched-dot thunk, so on the CPU the operands are upcast first; that is
+    exact, since a product of two bf16 values is representable in f32.
+    """
+    w = w.astype(x.dtype)
+    if jax.default_backend() == "cpu" and x.dtype == jnp.bfloat16:
+        return jnp.einsum(subscripts, x.astype(F32), w.astype(F32)).astype(x.dtype)
+    return jnp.einsum(subscripts, x, w, preferred_element_type=F32).astype(x.dtype)
 
 
 def rms_norm(x, weight, eps: float):
