@@ -9,7 +9,7 @@ from scipy import stats
 
 from k26jax import api, engine, ops, sharding
 from k26jax.config import ConfigError, DrafterConfig, preset
-from k26jax.generate import generate
+from k26jax.generation import generate
 from k26jax.model import drafter, target
 
 IMPLS = ops.Impls()
