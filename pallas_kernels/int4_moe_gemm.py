@@ -154,16 +154,13 @@ class Tiling:
 
 
 def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
-    """The wrapper's default tiling for M = num_tokens (see bench/moe_gemm.md for the measurements)."""
+    """The wrapper's default tiling for M = num_tokens, set from the H200 races in bench/moe_gemm.md."""
     dequant = "asm" if (jnp.dtype(dtype) == jnp.bfloat16 and not interpret) else "f32"
-    if num_tokens * top_k <= 32:  # decode: one pair per block, narrow N tiles for many programs
-        return Tiling(block_m=16, block_n_gate_up=32, block_n_down=64, per_pair=True, dequant=dequant)
+    if num_tokens * top_k <= 32:  # decode: one pair per block, no sort
+        return Tiling(per_pair=True, block_n_gate_up=64, block_n_down=128, dequant=dequant)
     if num_tokens <= 256:
         return Tiling(block_m=16, block_n_gate_up=64, block_n_down=128, dequant=dequant)
-    if num_tokens <= 2048:
-        return Tiling(block_m=32, block_n_gate_up=64, block_n_down=128, dequant=dequant)
-    return Tiling(block_m=64, block_n_gate_up=128, block_n_down=128, block_kw_gate_up=16, block_kw_down=16,
-                  num_warps=8, num_stages=2, dequant=dequant)
+    return Tiling(block_m=32, block_n_gate_up=128, block_n_down=256, num_warps=8, dequant=dequant)
 
 
 def _fit_block(block, dim, minimum, name):
@@ -252,6 +249,12 @@ def _dequantize_nibble(packed, scale, k, dtype, dequant):
     return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
 
 
+def to_nibble_major(a):
+    """[..., K] -> [..., K] with column k * K/8 + j holding a[..., 8j + k]: the input rows of nibble k of
+    word j become contiguous, matching the packed weights."""
+    return a.reshape(*a.shape[:-1], a.shape[-1] // PACK, PACK).swapaxes(-1, -2).reshape(a.shape)
+
+
 def _dot(a, b):
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
@@ -260,8 +263,8 @@ def _dot(a, b):
 def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block_kw, dequant):
     """Program (row block b, I tile n): h[rows of b, cols of n] = silu(x @ gate) * up, fp32 accumulation.
 
-    refs: route refs, x [M, D], w13_packed [E, D/8, 2, I], w13_scale [E, D/32, 2, I] -> h [rows, I].
-    x columns are gathered with stride 8 so that each nibble's tile multiplies its own input rows.
+    refs: route refs, x [M, D] nibble-major, w13_packed [E, D/8, 2, I], w13_scale [E, D/32, 2, I]
+    -> h [rows, I] nibble-major (see `to_nibble_major`), so each nibble's weight tile meets contiguous inputs.
     """
     *route_refs, x_ref, w_ref, s_ref, h_ref = refs
     b, n = pl.program_id(0), pl.program_id(1)
@@ -282,7 +285,7 @@ def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block
             gate_scale = _scale_for(s_ref[expert, scale_rows, 0, cols], dequant)
             up_scale = _scale_for(s_ref[expert, scale_rows, 1, cols], dequant)
             for k in range(PACK):  # one nibble's tiles live at a time
-                x_k = plgpu.load(x_ref.at[token[:, None], (PACK * words + k)[None, :]],
+                x_k = plgpu.load(x_ref.at[token[:, None], (k * x_ref.shape[1] // PACK + words)[None, :]],
                                  mask=row_ok[:, None], other=0)
                 acc_gate += _dot(x_k, _dequantize_nibble(gate_packed, gate_scale, k, x_ref.dtype, dequant))
                 acc_up += _dot(x_k, _dequantize_nibble(up_packed, up_scale, k, x_ref.dtype, dequant))
@@ -291,13 +294,16 @@ def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
         acc_gate, acc_up = jax.lax.fori_loop(0, w_ref.shape[1] // block_kw, k_step, (zeros, zeros))
         h = acc_gate / (1.0 + jnp.exp(-acc_gate)) * acc_up
-        plgpu.store(h_ref.at[pl.ds(b * block_m, block_m), cols], h.astype(h_ref.dtype), mask=row_ok[:, None])
+        h_cols = n * block_n + jnp.arange(block_n)  # column 8j + k goes to k * I/8 + j
+        h_cols = h_cols % PACK * (h_ref.shape[1] // PACK) + h_cols // PACK
+        slots = b * block_m + jnp.arange(block_m)
+        plgpu.store(h_ref.at[slots[:, None], h_cols[None, :]], h.astype(h_ref.dtype), mask=row_ok[:, None])
 
 
 def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps_per_split, dequant):
     """Program (row block b, D tile n, K split s): y[s, pairs of b, cols of n] = weight * (h @ down), fp32.
 
-    refs: route refs, topk_weights [P] f32, h [rows, I], w2_packed [E, I/8, D], w2_scale [E, I/32, D]
+    refs: route refs, topk_weights [P] f32, h [rows, I] nibble-major, w2_packed [E, I/8, D], w2_scale [E, I/32, D]
     -> y_pairs [S, P + block_m, D] f32 (rows of pairs off this shard and the spare rows stay unwritten).
     """
     *route_refs, weight_ref, h_ref, w_ref, s_ref, y_ref = refs
@@ -315,7 +321,7 @@ def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps
             packed = w_ref[expert, pl.ds(step * block_kw, block_kw), cols]
             scale = _scale_for(s_ref[expert, words // _WORDS_PER_GROUP, cols], dequant)
             for k in range(PACK):
-                h_k = plgpu.load(h_ref.at[slots[:, None], (PACK * words + k)[None, :]],
+                h_k = plgpu.load(h_ref.at[slots[:, None], (k * h_ref.shape[1] // PACK + words)[None, :]],
                                  mask=row_ok[:, None], other=0)
                 acc += _dot(h_k, _dequantize_nibble(packed, scale, k, h_ref.dtype, dequant))
             return acc
@@ -350,7 +356,9 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
     if tiling.dequant == "asm" and (interpret or x.dtype != jnp.bfloat16):
         raise ValueError("tiling.dequant='asm' needs bf16 x and interpret=False")
     bm = tiling.block_m
-    local_ids = topk_ids.reshape(-1).astype(jnp.int32) - expert_offset
+    local_ids = topk_ids.reshape(-1).astype(jnp.int32)
+    if not (isinstance(expert_offset, int) and expert_offset == 0):  # may be traced (EP)
+        local_ids = local_ids - expert_offset
     if tiling.per_pair:
         route, num_blocks = (local_ids,), num_pairs
     else:
@@ -365,7 +373,7 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
         out_shape=jax.ShapeDtypeStruct((num_blocks * bm, i), x.dtype),
         grid=(num_blocks, i // tiling.block_n_gate_up),
         compiler_params=params, interpret=interpret, name="moe_gate_up",
-    )(*route, x, w13_packed, w13_scale)
+    )(*route, to_nibble_major(x), w13_packed, w13_scale)
 
     steps = i // PACK // tiling.block_kw_down
     y_pairs = pl.pallas_call(

@@ -34,31 +34,39 @@ warnings.filterwarnings("ignore", category=DeprecationWarning, message="The Pall
 K26 = dict(num_experts=384, top_k=8, d=7168, i=2048)
 QUICK = dict(num_experts=16, top_k=4, d=256, i=256)
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-# Tile variants raced at a few M (name -> Tiling); the default path is moe.choose_tiling.
-VARIANTS = {
-    1: {"pair_n32_asm": moe.Tiling(per_pair=True, block_n_gate_up=32, block_n_down=64, dequant="asm"),
-        "pair_n32_f32": moe.Tiling(per_pair=True, block_n_gate_up=32, block_n_down=64, dequant="f32"),
-        "pair_n64_asm": moe.Tiling(per_pair=True, block_n_gate_up=64, block_n_down=128, dequant="asm"),
-        "pair_n32_kw16_asm": moe.Tiling(per_pair=True, block_n_gate_up=32, block_n_down=64, block_kw_gate_up=16,
-                                        block_kw_down=16, num_stages=4, dequant="asm")},
-    16: {"pair_n32_asm": moe.Tiling(per_pair=True, block_n_gate_up=32, block_n_down=64, dequant="asm"),
-         "m16_n64_asm": moe.Tiling(block_m=16, dequant="asm"),
-         "m16_n64_f32": moe.Tiling(block_m=16, dequant="f32"),
-         "m16_n128_w8_asm": moe.Tiling(block_m=16, block_n_gate_up=128, block_n_down=256, num_warps=8,
-                                       dequant="asm")},
-    128: {"m16_n64_asm": moe.Tiling(block_m=16, dequant="asm"),
-          "m32_n64_asm": moe.Tiling(block_m=32, dequant="asm"),
-          "m16_n128_w8_asm": moe.Tiling(block_m=16, block_n_gate_up=128, block_n_down=256, num_warps=8,
-                                        dequant="asm")},
-    1024: {"m16_n64_asm": moe.Tiling(block_m=16, dequant="asm"),
-           "m32_n64_asm": moe.Tiling(block_m=32, dequant="asm"),
-           "m32_n64_f32": moe.Tiling(block_m=32, dequant="f32"),
-           "m32_n128_w8_asm": moe.Tiling(block_m=32, block_n_gate_up=128, block_n_down=256, num_warps=8,
-                                         dequant="asm"),
-           "m64_n128_w8_asm": moe.Tiling(block_m=64, block_n_gate_up=128, block_n_down=128, block_kw_gate_up=16,
-                                         block_kw_down=16, num_warps=8, num_stages=2, dequant="asm")},
+T = moe.Tiling
+TILINGS = {  # named candidates; all use the PTX bf16x2 dequant unless the name says f32
+    "pair_n64": T(per_pair=True, block_n_gate_up=64, block_n_down=128, dequant="asm"),
+    "pair_n128": T(per_pair=True, block_n_gate_up=128, block_n_down=256, num_warps=8, dequant="asm"),
+    "pair_n64_kw64": T(per_pair=True, block_n_gate_up=64, block_n_down=128, block_kw_gate_up=64,
+                       block_kw_down=64, num_stages=2, dequant="asm"),
+    "pair_n64_s4": T(per_pair=True, block_n_gate_up=64, block_n_down=128, num_stages=4, dequant="asm"),
+    "m16_n64": T(block_m=16, dequant="asm"),
+    "m16_n64_f32": T(block_m=16, dequant="f32"),
+    "m16_n64_s4": T(block_m=16, num_stages=4, dequant="asm"),
+    "m16_n128_w8": T(block_m=16, block_n_gate_up=128, block_n_down=256, num_warps=8, dequant="asm"),
+    "m32_n64": T(block_m=32, dequant="asm"),
+    "m32_n128_w8": T(block_m=32, block_n_gate_up=128, block_n_down=256, num_warps=8, dequant="asm"),
+    "m64_n128_w8": T(block_m=64, block_n_gate_up=128, block_n_down=128, block_kw_gate_up=16, block_kw_down=16,
+                     num_warps=8, num_stages=2, dequant="asm"),
+    "m64_n64_w4": T(block_m=64, block_n_gate_up=64, block_n_down=64, num_stages=2, dequant="asm"),
+}
+CANDIDATES = {  # raced per M (the wrapper's choose_tiling is set from these results)
+    1: ("pair_n64", "pair_n128", "pair_n64_kw64", "pair_n64_s4"),
+    2: ("pair_n64", "pair_n128"),
+    4: ("pair_n64", "pair_n128", "m16_n64"),
+    8: ("pair_n64", "m16_n64", "m16_n128_w8"),
+    16: ("m16_n64", "m16_n64_f32", "m16_n64_s4", "m16_n128_w8"),
+    32: ("m16_n64", "m16_n128_w8"),
+    64: ("m16_n64", "m16_n128_w8"),
+    128: ("m16_n64", "m32_n64", "m16_n128_w8"),
+    256: ("m16_n64", "m32_n64", "m16_n128_w8"),
+    512: ("m16_n64", "m32_n64", "m32_n128_w8"),
+    1024: ("m16_n64", "m32_n64", "m32_n128_w8"),
+    4096: ("m32_n128_w8", "m64_n128_w8", "m64_n64_w4"),
 }
 BASELINE_MS = (1, 16, 128, 1024)
+RAGGED_MS = (1, 16, 128)  # XLA lowers ragged_dot densely here (all experts): larger M runs out of memory
 
 
 def random_weights(key, num_experts, d, i):
@@ -165,10 +173,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU smoke run)")
     parser.add_argument("--out", default=None, help="JSON path (default: bench/results/moe_gemm_<device>.json)")
     parser.add_argument("--ms", default=None, help="comma-separated M sweep")
-    parser.add_argument("--no-variants", action="store_true")
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=200.0, help="start no new case after this many s")
+    parser.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse)")
     args = parser.parse_args()
     t_start = time.perf_counter()
     shapes = QUICK if args.quick else K26
@@ -177,7 +185,8 @@ def main():
     sweep = tuple(int(m) for m in args.ms.split(",")) if args.ms else ((1, 4, 32) if args.quick else SWEEP)
     device = jax.devices()[0]
     out_path = args.out or f"bench/results/moe_gemm_{'cpu_quick' if args.quick else device.device_kind}.json"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
     record = {"device": device.device_kind, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "commit": commit or "unknown", "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "shapes": shapes, "rows": []}
@@ -187,7 +196,7 @@ def main():
         with open(out_path, "w") as f:
             json.dump(record, f, indent=1)
 
-    copy_bw = copy_ceiling((1 << 24) if args.quick else (4 << 30), args.repeats)
+    copy_bw = copy_ceiling((1 << 24) if args.quick else (8 << 30), args.repeats)
     mm_rate = matmul_ceiling(512 if args.quick else 8192, args.repeats)
     record["copy_bytes_per_s"], record["matmul_flop_per_s"] = copy_bw, mm_rate
     print(f"ceilings: copy {copy_bw / 1e12:.3f} TB/s, bf16 matmul {mm_rate / 1e12:.1f} TFLOP/s", flush=True)
@@ -195,28 +204,26 @@ def main():
 
     key = jax.random.PRNGKey(0)
     experts = random_weights(key, num_experts, d, i)
-    cases = []  # (name, kind, M, fn, operands)
+    cases = []  # (name, kind, M, fn, operands, tiling)
     routings = {}
-    for m in sorted(set(sweep) | (set() if args.no_variants else set(VARIANTS) & set(sweep))):
+    for m in sweep:
         ids, weights = random_routings(jax.random.fold_in(key, m), 4, m, num_experts, top_k)
         x = jax.random.normal(jax.random.fold_in(key, 10_000 + m), (m, d), jnp.float32).astype(jnp.bfloat16)
-        x = x.astype(jnp.float32) if args.quick else x
-        routings[m] = (x, ids, weights)
-        cases.append(("default", "pallas", m, functools.partial(moe.fused_moe, interpret=interpret), experts))
-        if not args.no_variants and not args.quick:
-            for name, tiling in VARIANTS.get(m, {}).items():
-                cases.append((name, "pallas", m, functools.partial(moe.fused_moe, tiling=tiling), experts))
+        routings[m] = (x.astype(jnp.float32) if args.quick else x, ids, weights)
+        default = moe.fit_tiling(moe.choose_tiling(m, top_k, routings[m][0].dtype, interpret), d, i)
+        named = {} if args.quick else {name: moe.fit_tiling(TILINGS[name], d, i) for name in CANDIDATES.get(m, ())}
+        if default not in named.values():
+            named["default"] = default
+        for name, tiling in named.items():
+            fn = functools.partial(moe.fused_moe, tiling=tiling, interpret=interpret)
+            cases.append((name, "pallas", m, fn, experts, tiling))
     if not args.no_baselines:
-        w13_packed, w13_scale, w2_packed, w2_scale = experts
         k4a, k4b, kba, kbb = jax.random.split(jax.random.fold_in(key, 7), 4)
-        int4 = (jax.random.randint(k4a, (num_experts, d, 2 * i), -8, 8, jnp.int8).astype(jnp.int4), w13_scale,
-                jax.random.randint(k4b, (num_experts, i, d), -8, 8, jnp.int8).astype(jnp.int4), w2_scale)
-        bf16 = (jax.random.normal(kba, (num_experts, d, 2 * i), jnp.bfloat16) * 0.01,
-                jax.random.normal(kbb, (num_experts, i, d), jnp.bfloat16) * 0.01)
+        int4 = (jax.random.randint(k4a, (num_experts, d, 2 * i), -8, 8, jnp.int8).astype(jnp.int4), experts[1],
+                jax.random.randint(k4b, (num_experts, i, d), -8, 8, jnp.int8).astype(jnp.int4), experts[3])
         for m in routings if args.quick else [m for m in BASELINE_MS if m in routings]:
-            cases.append(("xla_unpack_int32_einsum", "baseline", m, moe.fused_moe_reference, experts))
-            cases.append(("xla_jnp_int4_einsum", "baseline", m, xla_int4_moe, int4))
-            cases.append(("ragged_dot_bf16", "baseline", m, ragged_dot_moe, bf16))
+            cases.append(("xla_unpack_int32_einsum", "baseline", m, moe.fused_moe_reference, experts, None))
+            cases.append(("xla_jnp_int4_einsum", "baseline", m, xla_int4_moe, int4, None))
 
     def floor_of(m):
         ids = np.asarray(routings[m][1])
@@ -231,7 +238,7 @@ def main():
         return int(np.clip(np.ceil(0.03 / floor_of(m)[2]), 3, 200))
 
     def compile_case(case):
-        name, kind, m, fn, operands = case
+        name, kind, m, fn, operands, _ = case
         x, ids, weights = routings[m]
         try:
             loop = chained_loop(fn, iters_for(kind, m))
@@ -240,19 +247,17 @@ def main():
         except Exception as e:  # a variant that Triton cannot compile is reported, not fatal
             return None, None, f"{type(e).__name__}: {str(e)[:300]}"
 
-    # Compile everything in parallel; time each case as soon as it is ready (ragged_dot last: its XLA path
-    # is unknown and might be slow), and stop starting cases once the time budget is spent.
-    cases.sort(key=lambda case: (case[0] == "ragged_dot_bf16", case[1] == "baseline", case[0] != "default"))
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1 if args.quick else 12)
-    futures = [pool.submit(compile_case, case) for case in cases]
     references = {}
-    for (name, kind, m, fn, operands), future in zip(cases, futures):
-        if time.perf_counter() - t_start > args.budget_s:
-            print(f"budget spent, skipping {name} M={m}", flush=True)
-            continue
-        loop, single, error = future.result()
+
+    def measure(case, compiled):
+        name, kind, m, fn, operands, tiling = case
+        loop, single, error = compiled
         nbytes, flops, floor = floor_of(m)
         row = {"name": name, "kind": kind, "M": m, "touched_bytes": nbytes, "flops": flops, "floor_s": floor}
+        if tiling is not None:
+            row["tiling"] = dataclasses.asdict(tiling)
+            row["default"] = tiling == moe.fit_tiling(moe.choose_tiling(m, top_k, routings[m][0].dtype, interpret),
+                                                      d, i)
         if error:
             row["error"] = error
         else:
@@ -269,15 +274,35 @@ def main():
         record["rows"].append(row)
         save()
         print(json.dumps(row), flush=True)
-    pool.shutdown(wait=False, cancel_futures=True)
 
-    print(f"\n{'M':>5} {'case':<24} {'time us':>9} {'floor us':>9} {'% floor':>8} {'us/tok':>8} {'TB/s':>6} {'err':>8}")
+    # Compile in parallel and time each case as soon as it is ready; start no case once the budget is spent.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1 if args.quick else 12) as pool:
+        futures = [pool.submit(compile_case, case) for case in cases]
+        for case, future in zip(cases, futures):
+            if time.perf_counter() - t_start > args.budget_s:
+                print(f"budget spent, skipping {case[0]} M={case[2]}", flush=True)
+                future.cancel()
+                continue
+            measure(case, future.result())
+    if not args.no_baselines:  # last and one at a time: XLA autotunes these dense dots on copies of the weights
+        del int4
+        bf16 = (jax.random.normal(kba, (num_experts, d, 2 * i), jnp.bfloat16) * 0.01,
+                jax.random.normal(kbb, (num_experts, i, d), jnp.bfloat16) * 0.01)
+        for m in routings if args.quick else [m for m in RAGGED_MS if m in routings]:
+            if time.perf_counter() - t_start > args.budget_s:
+                break
+            case = ("ragged_dot_bf16", "baseline", m, ragged_dot_moe, bf16, None)
+            measure(case, compile_case(case))
+
+    print(f"\n{'M':>5} {'case (* = default)':<24} {'time us':>9} {'floor us':>9} {'% floor':>8} {'us/tok':>8} "
+          f"{'TB/s':>6} {'err':>8}")
     for row in record["rows"]:
         if "error" in row:
-            print(f"{row['M']:>5} {row['name']:<24} ERROR {row['error'][:80]}")
+            print(f"{row['M']:>5} {row['name']:<24} ERROR {row['error'][:90]}")
             continue
         err = row.get("rel_err_vs_reference")
-        print(f"{row['M']:>5} {row['name']:<24} {row['time_s'] * 1e6:>9.1f} {row['floor_s'] * 1e6:>9.1f} "
+        name = row["name"] + (" *" if row.get("default") else "")
+        print(f"{row['M']:>5} {name:<24} {row['time_s'] * 1e6:>9.1f} {row['floor_s'] * 1e6:>9.1f} "
               f"{row['pct_of_floor']:>8.1f} {row['us_per_token']:>8.2f} {row['effective_tb_per_s']:>6.2f} "
               f"{'' if err is None else f'{err:.1e}':>8}")
 
