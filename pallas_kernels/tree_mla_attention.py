@@ -206,19 +206,20 @@ def _pow2_at_least(n):
 @functools.partial(jax.jit, static_argnames=["scale", "block_m", "block_k", "block_r", "num_splits", "num_warps",
                                              "num_stages", "interpret"])
 def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, block_m: int = 64,
-                       block_k: int = 64, block_r: int | None = None, num_splits: int | None = None,
-                       num_warps: int | None = None, num_stages: int = 2, interpret: bool = False):
+                       block_k: int = 32, block_r: int | None = None, num_splits: int | None = None,
+                       num_warps: int | None = None, num_stages: int = 3, interpret: bool = False):
   """Pallas-Triton tree MLA attention; arguments and result as in `tree_mla_attention_reference`.
 
   Knobs: block_m query rows (tree token x head) per tile, clamped to T*H (at least 16); block_k
-  prefix keys per step; block_r width of the latent chunks (default 256 for block_m >= 64, else R;
-  clamped to R); num_splits prefix ranges per sequence (default: about one wave of programs);
-  num_warps (default 8 for block_m >= 64, else 4) and num_stages for Triton.
+  prefix keys per step; block_r width of the latent chunks (default and at most R); num_splits
+  prefix ranges per sequence (default: about one wave of programs); num_warps (default 8 for
+  block_m >= 64, else 4) and num_stages for Triton. The defaults use 184 KB of shared memory at
+  R = 512 (sm_90 allows 227 KB); block_k = 64 with num_stages = 2 uses 221 KB.
   """
   C, T, H, R, P = _check_args(q_lat, q_rope, cache, prefix_len, tail, visibility)
   M, S_max = T * H, cache.shape[1]
   block_m = min(block_m, max(16, _pow2_at_least(M)))
-  block_r = min(R, block_r or (256 if block_m >= 64 else R))
+  block_r = min(R, block_r or R)
   for name, n in (("block_m", block_m), ("block_k", block_k), ("block_r", block_r)):
     if n < 16 or n & (n - 1):
       raise ValueError(f"{name} must be a power of two >= 16, got {n}")

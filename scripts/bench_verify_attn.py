@@ -108,6 +108,27 @@ def compile_all(jobs):
     return {key: f.result() for key, f in futures.items()}
 
 
+def measure_ceilings(copy_elems=1 << 30, matmul_n=8192):
+  """(copy bytes/s read+written of an XLA elementwise op on 4 GiB, bf16 matmul FLOP/s at 8192^3)."""
+  x = jnp.ones((copy_elems,), jnp.float32)
+  copy = jax.jit(lambda x: x + 1)
+  jax.block_until_ready(copy(x))
+  t0 = time.perf_counter()
+  for _ in range(10):
+    y = copy(x)
+  jax.block_until_ready(y)
+  copy_bps = 10 * 2 * x.nbytes / (time.perf_counter() - t0)
+  del x, y
+  a = jax.random.normal(jax.random.key(0), (matmul_n, matmul_n), jnp.bfloat16)
+  mm = jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.bfloat16))
+  jax.block_until_ready(mm(a))
+  t0 = time.perf_counter()
+  for _ in range(20):
+    z = mm(a)
+  jax.block_until_ready(z)
+  return copy_bps, 20 * 2 * matmul_n ** 3 / (time.perf_counter() - t0)
+
+
 def num_sets_for(C, S, T, H):
   set_bytes = 2 * (C * S * (R + P) + C * T * H * (R + P) + C * T * (R + P))
   return int(min(16, max(2, math.ceil(2 * L2_BYTES / set_bytes))))

@@ -147,10 +147,10 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NV
 
 
 @pytest.mark.parametrize("T,H,R_,P_,knobs", [
-    (65, 64, 512, 64, {}),                                  # verify tile: block_m 64, 8 warps, 256-wide chunks
+    (65, 64, 512, 64, {}),                                  # verify tile: block_m 64, 8 warps
     (1, 64, 512, 64, {}),                                   # decode, all heads on one GPU
     (1, 8, 512, 64, {}),                                    # decode under TP-8: block_m 16, whole latent
-    (33, 8, 512, 64, dict(block_k=32, block_r=128)),
+    (33, 8, 512, 64, dict(block_k=64, block_r=256, num_stages=2)),
     (9, 16, 64, 16, {}),                                    # tiny model widths
 ])
 def test_lowers_for_cuda(T, H, R_, P_, knobs):
