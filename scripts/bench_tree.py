@@ -1,8 +1,10 @@
 """Benchmark the DDTree tree build and acceptance walk: Pallas kernels vs CPU heapq vs plain XLA.
 
 Per (batch C, budget B, depth L), all requests at budget B with K = B candidates per depth:
-  gpu_build_us    tree_build kernel, device time per call: N calls in one jit, each call's budgets taken
-                  from the previous call's num_nodes (so they serialize), median of repeats / N
+  gpu_build_us    tree_build kernel: N calls unrolled in one jit, each call's budgets taken from the previous
+                  call's num_nodes (so they serialize), median of repeats / N; includes the jit dispatch and
+                  sync amortized over N (tens of us on the H200 run at N=16), so an upper bound
+  gpu_build_fori_us  the same N chained calls as one lax.fori_loop (tighter: no per-call dispatch)
   cpu_heapq_ms    k26jax.ddtree end to end as SGLang does it: device-to-host copy of logq/ids [C, L, K]
                   + build_tree_from_topk per request (incl. its visibility), median over fresh inputs
   xla_fori_us     tree_build_reference (lax.fori_loop over pops), C in {1, 64} only
@@ -57,7 +59,7 @@ def ceilings(quick):
     copy_s, _ = device_seconds(lambda xs: [xs[0] + 1], [x], 3 if quick else 10)
     m = 256 if quick else 8192
     a = jnp.ones((m, m), jnp.bfloat16)
-    dot_s, _ = device_seconds(lambda ab: [ab[0] @ ab[1]], [a, a], 3 if quick else 10)
+    dot_s, _ = device_seconds(lambda ab: [ab[0][0] @ ab[0][1]], [(a, a)], 3 if quick else 10)
     return {"copy_TBps": 2 * 4 * n / copy_s / 1e12, "copy_bytes": 2 * 4 * n,
             "matmul_bf16_TFLOPs": 2 * m ** 3 / dot_s / 1e12, "matmul_dim": m}
 
@@ -138,7 +140,7 @@ def bench_config(num_requests, budget, depth, args, key, num_warps=None):
         return 1e6 * seconds
 
     measure(row, "gpu_build_us", gpu_build)
-    if args.loop_variant:                         # same chain as one lax.fori_loop over a single input set
+    if num_warps is None:                         # same chain as one lax.fori_loop over a single input set
         def loop_chain(input_sets):
             logq, ids = input_sets[0]
             build = functools.partial(tree_build, logq, ids, max_budget=budget, interpret=interpret)
@@ -206,6 +208,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cpu-repeats", type=int, default=3, help="fresh input sets for the CPU timing")
     parser.add_argument("--deadline-s", type=float, default=115.0, help="stop starting configurations after this")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    parser.add_argument("--depths", type=int, nargs="+", default=[7, 15])
+    parser.add_argument("--sweep-budgets", type=int, nargs="*", default=[64, 256],
+                        help="num_warps sweep at C=64, L=15 for these budgets")
     args = parser.parse_args()
     start = time.perf_counter()
     if args.quick:
@@ -213,8 +220,8 @@ def main():
         batches, budgets, depths = (1, 4), (16, 32), (7,)
         sweep = [(4, 16, 7, 2)]
     else:
-        batches, budgets, depths = (1, 8, 32, 64), (16, 32, 64, 128, 256), (7, 15)
-        sweep = [(64, b, 15, w) for b in (64, 256) for w in (1, 2, 4, 8)]
+        batches, budgets, depths = args.batches, args.budgets, args.depths
+        sweep = [(64, b, 15, w) for b in args.sweep_budgets for w in (1, 2, 4, 8)]
     configs = sorted(itertools.product(batches, budgets, depths),     # the targets first: B=64 at C=1 and 64
                      key=lambda cfg: (cfg[1] != 64, cfg[0] not in (1, 64), cfg[1], cfg[0], cfg[2]))
     todo = [(cfg, None) for cfg in configs[:4]] + [(cfg[:3], cfg[3]) for cfg in sweep[:4]]
@@ -227,12 +234,11 @@ def main():
                        f"({args.calls} chained calls per jit, median of {args.repeats})"}
     print(json.dumps(record["ceilings"]), flush=True)
     key = jax.random.key(0)
-    for index, ((num_requests, budget, depth), num_warps) in enumerate(todo):
+    for (num_requests, budget, depth), num_warps in todo:
         if time.perf_counter() - start > args.deadline_s:
             record["skipped"].append(dict(C=num_requests, B=budget, L=depth, num_warps=num_warps))
             continue
         key, config_key = jax.random.split(key)
-        args.loop_variant = index < 4
         config_start = time.perf_counter()
         row = bench_config(num_requests, budget, depth, args, config_key, num_warps)
         row["config_s"] = time.perf_counter() - config_start
