@@ -118,14 +118,7 @@ class ModelConfig:
     # ---- construction ---------------------------------------------------------------------------------
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            raise ConfigError(f"{config_path}: no config.json in the checkpoint directory")
-        try:
-            with open(config_path) as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{config_path}: not valid JSON ({e})") from e
+        config_path, raw = read_config_json(path, "checkpoint")
         cfg = cls.from_hf_dict(raw, source=config_path)
         extra_eos = [e for e in _read_generation_eos(path) if e not in cfg.eos_token_ids]
         return cfg.replace(eos_token_ids=cfg.eos_token_ids + tuple(extra_eos))
@@ -200,6 +193,18 @@ class ModelConfig:
                     bad(name, f"{getattr(self, name)} is not a multiple of the quantization group {g}")
         if self.rope_scaling is not None and self.rope_scaling.factor <= 0:
             bad("rope_scaling.factor", "must be > 0")
+
+
+def read_config_json(path, what: str) -> tuple[str, dict[str, Any]]:
+    """(path of DIR/config.json, its parsed contents); a missing or malformed file raises ConfigError."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConfigError(f"{config_path}: no config.json in the {what} directory")
+    try:
+        with open(config_path) as f:
+            return config_path, json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{config_path}: not valid JSON ({e})") from e
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -502,14 +507,7 @@ class DrafterConfig:
     # ---- construction ---------------------------------------------------------------------------------
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "DrafterConfig":
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            raise ConfigError(f"{config_path}: no config.json in the drafter directory")
-        try:
-            with open(config_path) as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{config_path}: not valid JSON ({e})") from e
+        config_path, raw = read_config_json(path, "drafter")
         return cls.from_dict(raw, source=config_path)
 
     @classmethod
