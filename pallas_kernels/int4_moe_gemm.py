@@ -389,25 +389,32 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
     return y.reshape(num_tokens, top_k, d).sum(axis=1).astype(out_dtype or x.dtype)
 
 
+def fused_moe_specs(mode, axis="model"):
+    """PartitionSpecs of (x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale) that
+    `fused_moe_sharded` expects: activations and routing replicated, experts ("ep") or I ("tp") split."""
+    if mode not in ("ep", "tp"):
+        raise ValueError(f"mode must be 'ep' or 'tp', got {mode!r}")
+    spec = jax.sharding.PartitionSpec
+    if mode == "ep":
+        weights = (spec(axis),) * 4
+    else:  # w13 on its last axis (I), w2 on its I/8 and I/32 axes
+        weights = (spec(None, None, None, axis),) * 2 + (spec(None, axis, None),) * 2
+    return (spec(), spec(), spec(), *weights)
+
+
 def fused_moe_sharded(mesh, *, axis="model", mode="ep", impl="pallas", interpret=False, tiling=None):
     """fused_moe under shard_map over mesh axis `axis`. Returns f(x, topk_ids, topk_weights, w13_packed,
-    w13_scale, w2_packed, w2_scale) -> y [M, D]; activations and routing are replicated over `axis`.
+    w13_scale, w2_packed, w2_scale) -> y [M, D], arguments sharded as `fused_moe_specs(mode, axis)` says.
 
     mode="ep": experts split (shard s owns experts [s * E_local, (s + 1) * E_local)).
     mode="tp": the intermediate dim I split (w13 on its last axis, w2 on its I/8 and I/32 axes).
     Each shard's fp32 partial output is psum'ed over `axis`, then cast to x.dtype.
     """
-    if mode not in ("ep", "tp"):
-        raise ValueError(f"mode must be 'ep' or 'tp', got {mode!r}")
     if impl not in ("pallas", "reference"):
         raise ValueError(f"impl must be 'pallas' or 'reference', got {impl!r}")
     if axis not in mesh.axis_names:
         raise ValueError(f"axis {axis!r} is not one of the mesh axes {mesh.axis_names}")
-    spec = jax.sharding.PartitionSpec
-    if mode == "ep":
-        weight_specs = (spec(axis),) * 4
-    else:
-        weight_specs = (spec(None, None, None, axis),) * 2 + (spec(None, axis, None),) * 2
+    specs = fused_moe_specs(mode, axis)
 
     def local_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
         offset = jax.lax.axis_index(axis) * w13_packed.shape[0] if mode == "ep" else 0
@@ -420,5 +427,5 @@ def fused_moe_sharded(mesh, *, axis="model", mode="ep", impl="pallas", interpret
                                     out_dtype=jnp.float32)
         return jax.lax.psum(y, axis).astype(x.dtype)
 
-    return jax.shard_map(local_moe, mesh=mesh, in_specs=(spec(), spec(), spec(), *weight_specs),
-                         out_specs=spec(), check_vma=False)
+    return jax.shard_map(local_moe, mesh=mesh, in_specs=specs, out_specs=jax.sharding.PartitionSpec(),
+                         check_vma=False)
