@@ -160,7 +160,7 @@ def step(params, dparams, state: DecodeState, *, cfg: ModelConfig, dcfg, sc: Ste
     ids = jnp.concatenate([state.root[:, None], jnp.maximum(tokens, 0)], axis=1)           # [C, B+1]
     positions = state.cache.lengths[:, None] + jnp.concatenate(
         [jnp.zeros((C, 1), jnp.int32), jnp.maximum(depths, 0)], axis=1)
-    visibility = visibility_from_parents(parents)
+    visibility = visibility_from_parents(parents, max_depth=L)
     layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None and L else ()
     logits, tail_rows, feats = target.forward_tail(params, cfg, ids, positions, state.cache.rows,
                                                    state.cache.lengths, visibility, impls, layer_ids)
