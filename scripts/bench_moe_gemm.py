@@ -41,6 +41,7 @@ TILINGS = {  # named candidates; all use the PTX bf16x2 dequant unless the name 
     "pair_n64_kw64": T(per_pair=True, block_n_gate_up=64, block_n_down=128, block_kw_gate_up=64,
                        block_kw_down=64, num_stages=2, dequant="asm"),
     "pair_n64_s4": T(per_pair=True, block_n_gate_up=64, block_n_down=128, num_stages=4, dequant="asm"),
+    "pair_n64_sk2": T(per_pair=True, block_n_gate_up=64, block_n_down=128, split_k_down=2, dequant="asm"),
     "m16_n64": T(block_m=16, dequant="asm"),
     "m16_n64_f32": T(block_m=16, dequant="f32"),
     "m16_n64_s4": T(block_m=16, num_stages=4, dequant="asm"),
@@ -52,9 +53,9 @@ TILINGS = {  # named candidates; all use the PTX bf16x2 dequant unless the name 
     "m64_n64_w4": T(block_m=64, block_n_gate_up=64, block_n_down=64, num_stages=2, dequant="asm"),
 }
 CANDIDATES = {  # raced per M (the wrapper's choose_tiling is set from these results)
-    1: ("pair_n64", "pair_n128", "pair_n64_kw64", "pair_n64_s4"),
+    1: ("pair_n64", "pair_n128", "pair_n64_kw64", "pair_n64_s4", "pair_n64_sk2"),
     2: ("pair_n64", "pair_n128"),
-    4: ("pair_n64", "pair_n128", "m16_n64"),
+    4: ("pair_n64", "pair_n128", "pair_n64_sk2", "m16_n64"),
     8: ("pair_n64", "m16_n64", "m16_n128_w8"),
     16: ("m16_n64", "m16_n64_f32", "m16_n64_s4", "m16_n128_w8"),
     32: ("m16_n64", "m16_n128_w8"),
