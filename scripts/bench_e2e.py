@@ -1,0 +1,959 @@
+"""End-to-end decode step: AR, chain DFlash and DDTree through the real engine step, at K2.6 width.
+
+Every step is the engine's (k26jax.engine pieces: DFlash draft, top-K, tree_build, target verify with the
+tree-masked MLA and INT4 MoE kernels, per-node choice, tree_accept, commit), compiled whole, with one change:
+the accept result is replaced by a seeded draw with mean --tau (random weights accept nothing), so the step
+emits tau tokens per sequence like a trained drafter would, and commits tau rows (path = nodes 0..tau-1; for a
+chain that is the real path, for a tree it is the first-popped nodes, a real path when the drafter is
+confident). The real tree_accept still runs inside the step. Weights are random and made on the device.
+
+Caches are filled by a synthetic prefill (random latent rows and drafter context K/V, lengths = context).
+Each step is timed as a lax.fori_loop of n steps in one executable (median over repeats of the per-step
+time). Ablations skip one phase (draft: random logits instead of the drafter; attention: the MLA kernel returns
+its query; moe: the routed experts return their input) to split the step by phase; the tree build (top-K +
+tree_build + visibility) is timed on its own.
+
+floor (bytes): weights the step must read (attention, dense and shared MLPs, router, the routed experts that
+C*(B+1) tokens touch under uniform top-8-of-384 routing, embedding rows, lm_head once for verify and once for
+the draft, the drafter) + latent cache and drafter context K/V up to the context length, over the measured copy
+rate. The same accounting per GPU, with a collective term, projects the 61-layer 8-GPU step (see `project`).
+
+GPU (one H200, ~7 min):
+  PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 470 \\
+      python3 scripts/bench_e2e.py --layers 12 --out $OUT/e2e_h200_depthN.json
+CPU, 8 emulated devices, tiny shapes: DDTree/chain greedy == AR greedy on the mesh, then the same measurement
+path (its timings mean nothing):
+  PYTHONPATH=. python scripts/bench_e2e.py --cpu-mesh8 --out bench/results/e2e_cpu_mesh8.json
+Re-project a record with other collective assumptions:
+  python scripts/bench_e2e.py --project bench/results/e2e_h200_depthN.json --collective-us 15
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import datetime
+import functools
+import itertools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+START = time.perf_counter()
+if __name__ == "__main__" and "--cpu-mesh8" in sys.argv:
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from k26jax import api, cache as kc, engine, ops, sharding  # noqa: E402
+from k26jax.config import DrafterConfig, ModelConfig, build_target_layer_ids, preset  # noqa: E402
+from k26jax.generate import generate  # noqa: E402
+from k26jax.model import drafter as drafter_lib, target  # noqa: E402
+from pallas_kernels.tree_build import visibility_from_parents  # noqa: E402
+
+SGLANG_DDTREE_8X_PRO6000 = {1: 138.7, 4: 322.0, 8: 466.0, 10: 517.0}   # tok/s, issue 8
+PRO6000_TBPS, H200_SPEC_TBPS = 1.8, 4.8
+K26_LAYERS = 61
+MAX_NEW = 4096            # never reached: sequences stay active while timed
+STEPS_CAP = 20            # steps per timed repeat (the cache margin is sized for it)
+TRACE_LOCK = threading.Lock()   # one tracer at a time: ablations patch `ops` while they are traced
+
+
+# ---- configurations ----------------------------------------------------------------------------------------
+def target_config(name: str, layers: int) -> ModelConfig:
+    if name == "tiny":
+        return preset("tiny").replace(num_hidden_layers=layers)
+    return preset(f"k26-depth{layers}")
+
+
+def drafter_config(cfg: ModelConfig, tiny: bool) -> DrafterConfig:
+    """The DFlash drafter at Kimi dims (or a tiny one that shards 8 ways); target layers clamped to cfg's."""
+    full = dict(hidden_size=7168, num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                intermediate_size=18432, num_target_layers=K26_LAYERS, rope_theta=50000.0)
+    if tiny:
+        full.update(hidden_size=cfg.hidden_size, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                    head_dim=32, intermediate_size=512, num_target_layers=4)
+    ids = [min(i, cfg.num_hidden_layers - 1)
+           for i in build_target_layer_ids(full["num_target_layers"], full["num_hidden_layers"])]
+    return DrafterConfig.from_dict(dict(full, rms_norm_eps=1e-6, block_size=8, vocab_size=cfg.vocab_size,
+                                        max_position_embeddings=cfg.max_position_embeddings,
+                                        dflash_config=dict(target_layer_ids=ids, mask_token_id=cfg.vocab_size - 2)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compiled step: method ("ar" | "chain" | "ddtree"), tree budget, batch, context, skipped phases."""
+
+    layers: int
+    method: str
+    budget: int
+    C: int
+    context: int
+    skip: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        m = f"ddtree{self.budget}" if self.method == "ddtree" else self.method
+        return m + "".join(f"-no_{s}" for s in self.skip)
+
+
+class Setup:
+    """Configs, abstract trees and shardings of one depth."""
+
+    def __init__(self, args, layers: int, mesh):
+        self.layers, self.mesh, self.args = layers, mesh, args
+        self.tiny = args.preset == "tiny"
+        self.dtype = jnp.float32 if args.cpu_mesh8 else jnp.bfloat16
+        self.cfg = target_config(args.preset, layers)
+        self.dcfg = drafter_config(self.cfg, self.tiny)
+        self.impls = ops.Impls.auto(mesh if mesh.size > 1 else None, args.expert_mode)
+        if args.pallas_interpret:
+            self.impls = ops.Impls("pallas", "pallas", "pallas", "pallas", mesh=self.impls.mesh,
+                                   expert_mode=args.expert_mode, interpret=True)
+        self.params_abs = target.abstract_params(self.cfg, self.dtype)
+        self.dparams_abs = drafter_lib.abstract_params(self.dcfg, self.dtype)
+        self.params_sh = sharding.shardings_for(
+            self.params_abs, sharding.param_partition_specs(self.cfg, args.expert_mode), mesh)
+        self.dparams_sh = sharding.shardings_for(
+            self.dparams_abs, drafter_lib.drafter_partition_specs(self.dcfg, mesh.shape[sharding.MODEL]), mesh)
+        self.replicated = NamedSharding(mesh, P())
+
+    def step_config(self, v: Variant) -> engine.StepConfig:
+        return engine.StepConfig(method=v.method, budget=v.budget, max_new_tokens=MAX_NEW,
+                                 block_size=self.dcfg.block_size)
+
+    def cache_len(self, v: Variant) -> int:
+        """Context + room for the timed steps' commits + the largest tree (one size for every method)."""
+        need = v.context + (STEPS_CAP + 2) * self.dcfg.block_size + max(self.args.budgets) + 1
+        return -(-need // 64) * 64
+
+    def init_fn(self):
+        seed, dtype = self.args.seed, self.dtype
+        return jax.jit(lambda: (target.init_params(self.cfg, seed, dtype),
+                                drafter_lib.init_params(self.dcfg, seed + 1, dtype)),
+                       out_shardings=(self.params_sh, self.dparams_sh))
+
+    def state_fn(self, v: Variant):
+        fill = functools.partial(synthetic_state, cfg=self.cfg, dcfg=self.dcfg, sc=self.step_config(v), C=v.C,
+                                 S=self.cache_len(v), context=v.context, dtype=self.dtype)
+        return jax.jit(fill, out_shardings=self.state_shardings(v))
+
+    def state_shardings(self, v: Variant):
+        fill = functools.partial(synthetic_state, cfg=self.cfg, dcfg=self.dcfg, sc=self.step_config(v), C=v.C,
+                                 S=self.cache_len(v), context=v.context, dtype=self.dtype)
+        abstract = jax.eval_shape(fill, jax.random.key(0))
+        ctx_spec = drafter_lib.drafter_cache_partition_spec(self.dcfg, self.mesh.shape[sharding.MODEL]) \
+            if v.method != "ar" else P()
+        specs = engine.DecodeState(
+            cache=kc.KVCache(rows=sharding.cache_partition_spec(), lengths=P()), ctx_k=ctx_spec, ctx_v=ctx_spec,
+            ctx_len=P(), root=P(), out=P(), num_out=P(), done=P(), key=P(), step=P(), accept_lens=P())
+        return sharding.shardings_for(abstract, specs, self.mesh)
+
+    def lower_steps(self, v: Variant, impls: ops.Impls):
+        """fori_loop of n controlled steps, lowered on abstract arguments (nothing allocated)."""
+        step = functools.partial(controlled_step, cfg=self.cfg, dcfg=self.dcfg, sc=self.step_config(v),
+                                 impls=impls, tau=self.tau(v), seed=self.args.seed, skip=frozenset(v.skip))
+        state_sh = self.state_shardings(v)
+        fn = jax.jit(functools.partial(run_steps, step_fn=step), donate_argnums=2, out_shardings=state_sh)
+        state_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                 jax.eval_shape(self.state_fn(v), jax.random.key(0)), state_sh)
+        return fn.lower(_with_sharding(self.params_abs, self.params_sh),
+                        _with_sharding(self.dparams_abs, self.dparams_sh), state_abs,
+                        jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated))
+
+    def tau(self, v: Variant) -> float:
+        return {"ar": 1.0, "chain": self.args.tau_chain or self.args.tau, "ddtree": self.args.tau}[v.method]
+
+    def build_fn(self, v: Variant):
+        sc, impls = self.step_config(v), self.impls
+        return jax.jit(lambda logits: _build_with_visibility(logits, sc, impls))
+
+
+def _with_sharding(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def _build_with_visibility(draft_logits, sc, impls):
+    tokens, depths, parents, num_nodes = engine.build_tree(draft_logits, sc=sc, impls=impls)
+    return tokens, depths, num_nodes, visibility_from_parents(parents)
+
+
+# ---- synthetic prefill and the controlled step -------------------------------------------------------------
+def synthetic_state(key, *, cfg, dcfg, sc: engine.StepConfig, C: int, S: int, context: int, dtype):
+    """A DecodeState as prefill leaves it after `context` tokens: random latent rows and drafter K/V."""
+    k_rows, k_ctx_k, k_ctx_v, k_root, k_state = jax.random.split(key, 5)
+    rows = jax.random.normal(k_rows, (cfg.num_hidden_layers, C, S, cfg.latent_dim), dtype)
+    lengths = jnp.full((C,), context, jnp.int32)
+    if sc.method == "ar":
+        ctx_k = ctx_v = jnp.zeros((0, C, 0, 0, 0), dtype)
+    else:
+        shape = (dcfg.num_hidden_layers, C, S, dcfg.num_key_value_heads, dcfg.head_dim)
+        ctx_k, ctx_v = jax.random.normal(k_ctx_k, shape, dtype), jax.random.normal(k_ctx_v, shape, dtype)
+    return engine.DecodeState(
+        cache=kc.KVCache(rows, lengths), ctx_k=ctx_k, ctx_v=ctx_v, ctx_len=lengths,
+        root=jax.random.randint(k_root, (C,), 0, cfg.vocab_size // 2, jnp.int32),
+        out=jnp.zeros((C, sc.max_new_tokens + sc.depth + 1), jnp.int32), num_out=jnp.zeros((C,), jnp.int32),
+        done=jnp.zeros((C,), bool), key=k_state, step=jnp.zeros((), jnp.int32),
+        accept_lens=jnp.zeros((engine.max_steps(sc), C), jnp.int32))
+
+
+def draw_accept_lengths(key, C: int, depth: int, tau: float):
+    """Accept lengths in [1, depth + 1] with mean tau: 1 + Binomial(depth, (tau - 1) / depth)."""
+    return 1 + (jax.random.uniform(key, (C, depth)) < (tau - 1) / depth).sum(-1).astype(jnp.int32)
+
+
+@contextlib.contextmanager
+def _skipping(phases):
+    """While tracing: routed experts return their input ("moe"), the MLA kernel returns its query ("attention")."""
+    saved = ops.moe_gemm, ops.mla_attention
+    if "moe" in phases:
+        ops.moe_gemm = lambda x_ND, *args, **kwargs: x_ND
+    if "attention" in phases:
+        ops.mla_attention = lambda q_lat, *args, **kwargs: q_lat
+    try:
+        yield
+    finally:
+        ops.moe_gemm, ops.mla_attention = saved
+
+
+def controlled_step(params, dparams, state: engine.DecodeState, *, cfg, dcfg, sc: engine.StepConfig,
+                    impls: ops.Impls, tau: float, seed: int, skip=frozenset()) -> engine.DecodeState:
+    """engine.step with the accept result replaced by a seeded draw of mean tau (and phases in `skip` removed)."""
+    C, L = state.root.shape[0], sc.depth
+    key, k_choice = jax.random.split(state.key)
+    step_key = jax.random.fold_in(jax.random.key(seed), state.step)
+    with _skipping(skip):
+        if sc.method == "ar":
+            tokens, depths = jnp.zeros((C, 0), jnp.int32), jnp.zeros((C, 0), jnp.int32)
+            parents, num_nodes = jnp.full((C, 1), -1, jnp.int32), jnp.zeros(C, jnp.int32)
+        else:
+            if "draft" in skip:
+                draft = jax.random.normal(jax.random.fold_in(step_key, 1), (C, L, cfg.vocab_size), jnp.float32)
+            else:
+                draft = engine.dflash_propose(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc)
+            tokens, depths, parents, num_nodes = engine.build_tree(draft, sc=sc, impls=impls)
+        ids = jnp.concatenate([state.root[:, None], jnp.maximum(tokens, 0)], axis=1)
+        positions = state.cache.lengths[:, None] + jnp.concatenate(
+            [jnp.zeros((C, 1), jnp.int32), jnp.maximum(depths, 0)], axis=1)
+        layer_ids = tuple(dcfg.target_layer_ids) if L else ()
+        logits, tail_rows, feats = target.forward_tail(params, cfg, ids, positions, state.cache.rows,
+                                                       state.cache.lengths, visibility_from_parents(parents),
+                                                       impls, layer_ids)
+    post = engine.choose(logits, k_choice, sc)
+    if sc.method == "ar":
+        path, accept_len, bonus = jnp.zeros((C, 1), jnp.int32), jnp.ones(C, jnp.int32), post[:, 0]
+    else:
+        _, walked, _ = ops.tree_accept(tokens, parents, post, num_nodes, max_depth=L, impls=impls)
+        drawn = draw_accept_lengths(step_key, C, L, tau)
+        accept_len = jnp.where(walked > L + 1, walked, drawn)          # never taken: keeps the real walk live
+        j = jnp.arange(L + 1, dtype=jnp.int32)[None]
+        path = jnp.where(j < accept_len[:, None], j, -1)
+        bonus = jnp.take_along_axis(post, (accept_len - 1)[:, None], axis=1)[:, 0]
+    return engine.commit(state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc)
+
+
+def run_steps(params, dparams, state, num_steps, *, step_fn):
+    return jax.lax.fori_loop(0, num_steps, lambda _, s: step_fn(params, dparams, s), state)
+
+
+# ---- bytes and FLOPs a step must move ----------------------------------------------------------------------
+def _per_gpu(tree_abs, specs, n: int):
+    """{path: (bytes per GPU, elements per GPU)} when leaves are split over n devices as the specs say."""
+    out = {}
+    flat = jax.tree_util.tree_flatten_with_path(tree_abs)[0]
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    for (path, leaf), spec in zip(flat, spec_leaves):
+        div = 1
+        for dim, axis in zip(leaf.shape, tuple(spec)):
+            div *= n if axis == sharding.MODEL and dim % n == 0 else 1
+        elems = int(np.prod(leaf.shape)) // div
+        out[jax.tree_util.keystr(path)] = (elems * jnp.dtype(leaf.dtype).itemsize, elems)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _weight_parts(cfg: ModelConfig, dcfg: DrafterConfig, n: int, expert_mode: str, dtype=jnp.bfloat16):
+    """Per-GPU {part: (bytes, elements)} of the weights; routed experts as a whole (touched share applied later)."""
+    parts = {}
+    leaves = _per_gpu(target.abstract_params(cfg, dtype), sharding.param_partition_specs(cfg, expert_mode), n)
+    for path, (b, e) in leaves.items():
+        if "w13" in path or "w2" in path:
+            part = "routed"
+        elif "router" in path:
+            part = "router"
+        elif "shared" in path:
+            part = "shared"
+        elif "['mlp']" in path:
+            part = "dense_mlp"
+        elif path in ("['embed']", "['lm_head']"):
+            part = path[2:-2]
+        else:
+            part = "attention"
+        pb, pe = parts.get(part, (0, 0))
+        parts[part] = (pb + b, pe + e)
+    dleaves = _per_gpu(drafter_lib.abstract_params(dcfg, dtype), drafter_lib.drafter_partition_specs(dcfg, n), n)
+    parts["drafter_fc"] = dleaves["['fc']"]
+    parts["drafter"] = tuple(sum(v[i] for k, v in dleaves.items() if k != "['fc']") for i in (0, 1))
+    return parts
+
+
+@functools.lru_cache(maxsize=None)
+def experts_touched(tokens: int, num_experts: int, top_k: int, n: int, trials: int = 64):
+    """(expected distinct experts touched, expected max over n expert-parallel shards) under uniform routing."""
+    rng = np.random.default_rng(tokens)
+    total = num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+    worst = []
+    for _ in range(trials):
+        picks = np.argpartition(rng.random((tokens, num_experts)), top_k, axis=1)[:, :top_k]
+        hit = np.zeros(num_experts, bool)
+        hit[picks.ravel()] = True
+        worst.append(hit.reshape(n, -1).sum(1).max())
+    return total, float(np.mean(worst))
+
+
+def traffic(cfg: ModelConfig, dcfg: DrafterConfig, method: str, budget: int, C: int, context: int, *,
+            n: int = 1, expert_mode: str = "ep", dtype=jnp.bfloat16) -> dict:
+    """Per-GPU {part: [bytes, flops]} of one step (n GPUs: the repo's sharding; caches replicated as designed)."""
+    L = 0 if method == "ar" else dcfg.block_size - 1
+    T = 1 + {"ar": 0, "chain": L, "ddtree": budget}[method]
+    tokens = C * T
+    w = _weight_parts(cfg, dcfg, n, expert_mode, dtype)
+    item = jnp.dtype(dtype).itemsize
+    out = {}
+    for part in ("attention", "dense_mlp", "shared", "router"):
+        b, e = w.get(part, (0, 0))
+        out[part] = [b, 2 * e * tokens]
+    routed_b, routed_e = w["routed"]
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    if E:
+        touched, worst = experts_touched(tokens, E, k, n)
+        share = touched / E if expert_mode == "tp" or n == 1 else worst * n / E
+        out["routed"] = [routed_b * share, 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * k * tokens / n]
+    D, V, H = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
+    out["embed"] = [tokens * D * item, 0]
+    out["lm_head"] = [w["lm_head"][0], 2 * w["lm_head"][1] * tokens]
+    h_local = H // n if H % n == 0 else H
+    out["kv_cache"] = [cfg.num_hidden_layers * C * context * cfg.latent_dim * item,
+                       cfg.num_hidden_layers * 2 * tokens * h_local * context * (cfg.latent_dim + cfg.kv_lora_rank)]
+    if L:
+        block = dcfg.block_size
+        out["draft_lm_head"] = [w["lm_head"][0], 2 * w["lm_head"][1] * C * L]
+        out["drafter"] = [w["drafter"][0] + w["drafter_fc"][0],
+                          2 * w["drafter"][1] * C * block + 2 * w["drafter_fc"][1] * C * (L + 1)]
+        split = n if dcfg.num_attention_heads % n == 0 and dcfg.num_key_value_heads % n == 0 else 1
+        kv_heads, q_heads = dcfg.num_key_value_heads // split, dcfg.num_attention_heads // split
+        out["drafter_ctx"] = [dcfg.num_hidden_layers * C * context * kv_heads * dcfg.head_dim * 2 * item,
+                              dcfg.num_hidden_layers * 2 * 2 * C * block * q_heads * context * dcfg.head_dim]
+    return out
+
+
+def floor_ms(parts: dict, copy_tbps: float, matmul_tflops: float) -> dict:
+    """bytes floor (the step's floor), FLOP floor, and the per-part roofline sum."""
+    total_b = sum(b for b, _ in parts.values())
+    total_f = sum(f for _, f in parts.values())
+    roof = sum(max(b / copy_tbps, f / matmul_tflops) for b, f in parts.values()) / 1e9
+    return {"floor_ms": total_b / copy_tbps / 1e9, "floor_flops_ms": total_f / matmul_tflops / 1e9,
+            "roofline_ms": roof, "bytes_read": total_b, "flops": total_f}
+
+
+def collectives(cfg: ModelConfig, dcfg: DrafterConfig, method: str, budget: int, C: int, n: int):
+    """[(count, bytes each)] of the all-reduces / gathers one step needs on n GPUs under the repo's sharding.
+
+    Per target layer: attention output (heads split) bf16 [tokens, D]; dense MLP (layer 0) bf16; MoE layers: the
+    routed-expert psum in f32 (fused_moe_sharded) + the shared expert bf16. Once: the vocab-parallel embedding,
+    the argmax over vocab shards (small). Drafter: embedding, 2 per layer, fc (commit), top-K candidates gather.
+    """
+    L = 0 if method == "ar" else dcfg.block_size - 1
+    tokens = C * (1 + {"ar": 0, "chain": L, "ddtree": budget}[method])
+    D = cfg.hidden_size
+    ops_list = [(cfg.num_hidden_layers + cfg.num_dense_layers + 1, tokens * D * 2),   # attn + dense + embed
+                (cfg.num_moe_layers, tokens * D * 4), (cfg.num_moe_layers, tokens * D * 2),
+                (1, tokens * 8)]
+    if L:
+        block, K = dcfg.block_size, (1 if method == "chain" else budget)
+        ops_list += [(1 + 2 * dcfg.num_hidden_layers, C * block * D * 2), (1, C * (L + 1) * D * 2),
+                     (1, C * L * K * 8 * n)]
+    return ops_list
+
+
+def collective_ms(ops_list, n: int, latency_us: float, busbw_gbps: float) -> float:
+    """Ring all-reduce model: latency + 2 (n-1)/n bytes / bus bandwidth, per collective."""
+    return sum(cnt * (latency_us * 1e-3 + 2 * (n - 1) / n * b / busbw_gbps / 1e6) for cnt, b in ops_list)
+
+
+# ---- measuring -----------------------------------------------------------------------------------------------
+def ceilings(small: bool) -> dict:
+    """Copy rate (x + 1, bytes read + written) and bf16 matmul rate with XLA, median of repeats."""
+    n = 1 << (20 if small else 30)
+    xs = [jnp.full((n,), i, jnp.float32) for i in range(2)]
+    add = jax.jit(lambda x: x + 1)
+    copy_s = _median_call_s(lambda i: add(xs[i % 2]), 10 if small else 20)
+    m = 256 if small else 8192
+    a = [jnp.full((m, m), 0.5 + i, jnp.bfloat16) for i in range(2)]
+    dot = jax.jit(lambda x, y: x @ y)
+    dot_s = _median_call_s(lambda i: dot(a[i % 2], a[1 - i % 2]), 10 if small else 20)
+    return {"kind": "ceiling", "copy_TBps": 2 * 4 * n / copy_s / 1e12, "copy_bytes": 8 * n,
+            "matmul_bf16_TFLOPs": 2 * m ** 3 / dot_s / 1e12, "matmul_dim": m}
+
+
+def _median_call_s(call, calls: int, repeats: int = 5) -> float:
+    jax.block_until_ready(call(0))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = [call(i) for i in range(calls)]
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+KERNEL_NAMES = {"moe_gate_up": "moe", "moe_down": "moe", "int4_moe_gemm": "moe", "tree_mla": "attention",
+                "tree_build": "tree_build", "tree_accept": "tree_accept"}   # pallas_call names and kernel files
+
+
+def failing_ops(error_text: str) -> tuple[str, ...]:
+    """The Impls fields whose Pallas kernels an error (message + traceback) names; all four when it names none."""
+    hits = sorted({op for name, op in KERNEL_NAMES.items() if name in error_text})
+    return tuple(hits) or ("moe", "attention", "tree_build", "tree_accept")
+
+
+def impls_summary(impls: ops.Impls) -> dict:
+    return {f: getattr(impls, f) for f in ("moe", "attention", "tree_build", "tree_accept")}
+
+
+def large_values(hlo_text: str, min_bytes: int) -> list[str]:
+    """HLO instructions (not parameters/bitcasts/tuples) producing one array >= min_bytes: copied weights show here."""
+    sizes = {"s32": 4, "u32": 4, "f32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
+    found = []
+    for m in re.finditer(r"%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(", hlo_text):
+        name, dtype, dims, opcode = m.groups()
+        if opcode in ("parameter", "get-tuple-element", "bitcast", "tuple") or dtype not in sizes:
+            continue
+        size = sizes[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        if size >= min_bytes:
+            found.append(f"{opcode} {name} {dtype}[{dims}] {size / 1e9:.2f} GB")
+    return found
+
+
+class Compiler:
+    """Lowers (one at a time, under TRACE_LOCK) and compiles (in parallel) executables; falls back per op."""
+
+    def __init__(self, workers: int):
+        self.pool = cf.ThreadPoolExecutor(max_workers=workers)
+        self.futures = {}
+
+    def submit(self, key, task):
+        if key not in self.futures:
+            self.futures[key] = self.pool.submit(task)
+        return self.futures[key]
+
+    @staticmethod
+    def compile_jit(fn, *abstract_args):
+        start = time.perf_counter()
+        with TRACE_LOCK:
+            lowered = fn.lower(*abstract_args)
+        return {"compiled": lowered.compile(), "compile_s": time.perf_counter() - start}
+
+    @staticmethod
+    def compile_step(setup: Setup, v: Variant, impls: ops.Impls):
+        """Compile `v`; when a Pallas kernel fails, retry with the reference impl for the op(s) it names."""
+        start, errors = time.perf_counter(), []
+        for _ in range(3):
+            try:
+                with TRACE_LOCK:
+                    lowered = setup.lower_steps(v, impls)
+                compiled = lowered.compile()
+                mem = compiled.memory_analysis()
+                return {"compiled": compiled, "impls": impls, "errors": errors,
+                        "compile_s": time.perf_counter() - start,
+                        "temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
+            except Exception as error:  # noqa: BLE001 -- one GPU call: keep every other figure
+                text = f"{type(error).__name__}: {error}"
+                ops_failed = failing_ops("".join(traceback.format_exception(error)))
+                errors.append({"stage": "compile", "impls": impls_summary(impls), "ops": ops_failed,
+                               "error": text[:3000]})
+                print(f"[compile {v.name} C={v.C}] {text[:600]}", flush=True)
+                if all(getattr(impls, op) == "reference" for op in ops_failed):
+                    break
+                impls = dataclasses.replace(impls, **{op: "reference" for op in ops_failed})
+        return {"compiled": None, "impls": impls, "errors": errors, "compile_s": time.perf_counter() - start}
+
+
+class Runner:
+    """Runs a plan: per depth, params on the device, synthetic states, timed steps, rows to JSON."""
+
+    def __init__(self, args, mesh, record, out_path):
+        self.args, self.mesh, self.record, self.out_path = args, mesh, record, out_path
+        self.compiler = Compiler(max(1, min(args.compile_workers, (os.cpu_count() or 2) - 2)))
+        self.setups, self.params, self.states = {}, None, {}
+        self.ceil = record["ceilings"]
+
+    def remaining(self) -> float:
+        return self.args.deadline_s - (time.perf_counter() - START)
+
+    def setup(self, layers: int) -> Setup:
+        if layers not in self.setups:
+            self.setups[layers] = Setup(self.args, layers, self.mesh)
+        return self.setups[layers]
+
+    def submit(self, v: Variant):
+        s = self.setup(v.layers)
+        self.compiler.submit(("init", v.layers), lambda: Compiler.compile_jit(s.init_fn()))
+        kind = "ar" if v.method == "ar" else "spec"
+        self.compiler.submit(("state", v.layers, v.C, s.cache_len(v), kind),
+                             lambda: Compiler.compile_jit(s.state_fn(v), jax.random.key(0)))
+        self.compiler.submit(("step", v), lambda: Compiler.compile_step(s, v, s.impls))
+
+    def submit_build(self, v: Variant):
+        s = self.setup(v.layers)
+        logits = jax.ShapeDtypeStruct((v.C, s.dcfg.block_size - 1, s.cfg.vocab_size), jnp.float32)
+        self.compiler.submit(("build", v.C, v.method, v.budget), lambda: Compiler.compile_jit(s.build_fn(v), logits))
+
+    def _wait(self, future, reserve: float):
+        try:
+            return future.result(timeout=max(1.0, self.remaining() - reserve))
+        except cf.TimeoutError:
+            return None
+
+    def load_params(self, layers: int):
+        """The depth's parameters on the device (the other depth's are deleted first), or None."""
+        if self.params is not None and self.params[0] == layers:
+            return self.params[1:]
+        self.states.clear()
+        if self.params is not None:
+            for leaf in jax.tree.leaves(self.params[1:]):
+                leaf.delete()
+            self.params = None
+        entry = self._wait(self.compiler.futures[("init", layers)], 5)
+        if entry is None:
+            return None
+        start = time.perf_counter()
+        params, dparams = jax.block_until_ready(entry["compiled"]())
+        print(f"[init] {layers} layers on the device in {time.perf_counter() - start:.1f}s "
+              f"(compile {entry['compile_s']:.1f}s)", flush=True)
+        self.params = (layers, params, dparams)
+        return params, dparams
+
+    def state(self, v: Variant, reserve: float):
+        """A synthetic state for v (reused across methods of one shape; the previous one is freed), or None."""
+        s = self.setup(v.layers)
+        key = (v.layers, v.C, s.cache_len(v), "ar" if v.method == "ar" else "spec")
+        if key not in self.states:
+            self.states.clear()
+            entry = self._wait(self.compiler.futures[("state",) + key], reserve)
+            if entry is None:
+                return None, key
+            self.states[key] = entry["compiled"](jax.random.key(self.args.seed + v.C))
+        return self.states.pop(key), key
+
+    def measure_step(self, v: Variant, reserve: float) -> dict:
+        s = self.setup(v.layers)
+        row = {"kind": "step", "variant": v.name, "layers": v.layers, "method": v.method,
+               "B": 0 if v.method == "ar" else s.step_config(v).tree_size, "C": v.C, "context": v.context,
+               "S_max": s.cache_len(v), "tau": s.tau(v)}
+        entry = self._wait(self.compiler.futures[("step", v)], reserve)
+        if entry is None:
+            return dict(row, skipped="compile not ready before the deadline")
+        row.update(impls=impls_summary(entry["impls"]), compile_s=round(entry["compile_s"], 1),
+                   temp_GB=None if entry.get("temp_bytes") is None else entry["temp_bytes"] / 1e9)
+        if entry["errors"]:
+            row["errors"] = list(entry["errors"])
+        loaded = self.load_params(v.layers) if entry["compiled"] is not None else None
+        state, key = self.state(v, reserve) if loaded is not None else (None, None)
+        if state is None:
+            return dict(row, skipped="no executable, parameters or state")
+        stats = jax.devices()[0].memory_stats() or {}
+        if entry.get("temp_bytes") and stats.get("bytes_limit") and \
+                stats["bytes_in_use"] + entry["temp_bytes"] > stats["bytes_limit"]:
+            return dict(row, skipped=f"would not fit: {stats['bytes_in_use'] / 1e9:.1f} GB in use + "
+                                     f"{entry['temp_bytes'] / 1e9:.1f} GB temp > {stats['bytes_limit'] / 1e9:.1f} GB")
+        try:
+            timing, state = self._time(entry["compiled"], *loaded, state, v, s)
+        except Exception as error:  # noqa: BLE001 -- one GPU call: keep every other figure
+            row.setdefault("errors", []).append({"stage": "run", "impls": row["impls"],
+                                                 "error": f"{type(error).__name__}: {error}"[:3000]})
+            print(f"[run {v.name} C={v.C}] {error!r}"[:600], flush=True)
+            return row
+        self.states[key] = state
+        step_ms = 1e3 * statistics.median(timing["reps"])
+        parts = traffic(s.cfg, s.dcfg, v.method, v.budget, v.C, v.context, dtype=s.dtype)
+        fl = floor_ms(parts, self.ceil["copy_TBps"], self.ceil["matmul_bf16_TFLOPs"])
+        row.update(steps_per_rep=timing["steps"], step_ms=step_ms, step_ms_reps=[1e3 * t for t in timing["reps"]],
+                   first_call_s=timing["first_call_s"], tau_realised=float(timing["accept"].mean()),
+                   tok_s=row["tau"] * v.C / step_ms * 1e3, **fl, pct_of_floor=100 * fl["floor_ms"] / step_ms,
+                   x_floor=step_ms / fl["floor_ms"], pct_of_roofline=100 * fl["roofline_ms"] / step_ms,
+                   bytes_by_part={p: b for p, (b, _) in parts.items()})
+        return row
+
+    def _time(self, compiled, params, dparams, state, v: Variant, s: Setup):
+        """One call of one step (warm-up), then `repeats` calls of n steps each; seconds per step."""
+        def put(x):
+            return jax.device_put(x, s.replicated)
+
+        def reset(st):
+            lengths = np.full((v.C,), v.context, np.int32)
+            return st.replace(cache=st.cache.replace(lengths=put(lengths)), ctx_len=put(lengths),
+                              num_out=put(np.zeros((v.C,), np.int32)), done=put(np.zeros((v.C,), bool)),
+                              step=put(np.int32(0)))
+
+        def call(st, n):
+            st = reset(st)
+            start = time.perf_counter()
+            st = jax.block_until_ready(compiled(params, dparams, st, put(np.int32(n))))
+            return st, time.perf_counter() - start
+
+        state, first = call(state, 1)
+        state, one = call(state, 1)
+        steps = int(min(STEPS_CAP, max(3, self.args.rep_seconds / max(one, 1e-6))))
+        reps = []
+        for _ in range(self.args.repeats):
+            state, seconds = call(state, steps)
+            reps.append(seconds / steps)
+        accept = np.asarray(state.accept_lens)[:steps]
+        return {"reps": reps, "steps": steps, "first_call_s": first, "accept": accept}, state
+
+    def measure_build(self, v: Variant, reserve: float) -> dict:
+        s = self.setup(v.layers)
+        entry = self._wait(self.compiler.futures[("build", v.C, v.method, v.budget)], reserve)
+        row = {"kind": "build", "method": v.method, "B": s.step_config(v).tree_size, "C": v.C}
+        if entry is None:
+            return dict(row, skipped="compile not ready before the deadline")
+        keys = jax.random.split(jax.random.key(v.C), 3)
+        logits = [jax.random.normal(k, (v.C, s.dcfg.block_size - 1, s.cfg.vocab_size), jnp.float32) for k in keys]
+        seconds = _median_call_s(lambda i: entry["compiled"](logits[i % 3]), 20)
+        return dict(row, build_ms=1e3 * seconds, impls=impls_summary(s.impls))
+
+    def add(self, row):
+        if row is None:
+            return
+        self.record["rows"].append(row)
+        write_record(self.record, self.out_path)
+        if row.get("kind") == "step" and "step_ms" in row:
+            print(f"[{time.perf_counter() - START:6.1f}s] N={row['layers']} {row['variant']:>20} C={row['C']:>2} "
+                  f"ctx={row['context']:>5}: {row['step_ms']:8.2f} ms  {row['tok_s']:8.1f} tok/s  "
+                  f"floor {row['floor_ms']:7.2f} ms ({row['pct_of_floor']:5.1f}%)  compile {row['compile_s']}s",
+                  flush=True)
+        else:
+            print(f"[{time.perf_counter() - START:6.1f}s] {json.dumps(row)[:300]}", flush=True)
+
+
+# ---- plans ---------------------------------------------------------------------------------------------------
+def methods(args):
+    """(method, budget) pairs; AR and chain ignore the budget (StepConfig needs one >= 1)."""
+    pairs = [("ddtree", b) for b in args.budgets] + [("ar", 1), ("chain", 7)]
+    return [(m, b) for m, b in pairs if m in args.methods]
+
+
+def plan(args, N: int):
+    """(timed first: [Variant], then the N/2 rows, the builds) in priority order."""
+    half = max(2, N // 2)
+    mid = args.budgets[len(args.budgets) // 2]
+    by_priority = sorted(methods(args), key=lambda m: (m != ("ddtree", mid), m[0] != "ar", m[0] != "chain"))
+    main = []
+    for ctx in args.contexts:
+        for C in args.concurrency:
+            main += [Variant(N, m, b, C, ctx) for m, b in by_priority]
+            if ctx == args.contexts[0] and C in args.ablate_at:
+                main += [Variant(N, "ddtree", mid, C, ctx, (p,)) for p in ("draft", "attention", "moe")]
+                main += [Variant(N, "ar", 1, C, ctx, (p,)) for p in ("attention", "moe")]
+    halves = [Variant(half, m, b, C, args.contexts[0]) for C in args.half_at for m, b in by_priority[:2]]
+    builds = [Variant(N, m, b, C, args.contexts[0]) for C in args.concurrency for m, b in methods(args) if m != "ar"]
+    return main, halves, builds
+
+
+def run_plan(args, mesh, record, out_path):
+    """Compile in priority order (the first C, the N/2 rows, the rest, the builds), measure in plan order."""
+    runner = Runner(args, mesh, record, out_path)
+    main, halves, builds = plan(args, args.layers)
+    first = [v for v in main if (v.context, v.C) == (main[0].context, main[0].C)]
+    for v in first + halves + main:
+        runner.submit(v)
+    for v in builds:
+        runner.submit_build(v)
+
+    def guarded(measure, v, reserve):
+        try:
+            runner.add(measure(v, reserve))
+        except Exception as error:  # noqa: BLE001 -- one GPU call: keep every other figure
+            runner.add({"kind": "error", "variant": v.name, "C": v.C, "context": v.context, "layers": v.layers,
+                        "error": f"{type(error).__name__}: {error}"[:3000]})
+
+    reserve = args.half_reserve_s if halves else 0.0
+    for v in main:
+        if runner.remaining() < reserve + 15:
+            print(f"[deadline] stopping the depth-{args.layers} rows, {runner.remaining():.0f}s left", flush=True)
+            break
+        guarded(runner.measure_step, v, reserve)
+        if v == main[0]:
+            guarded(lambda v, _: hlo_check(runner, v), v, reserve)
+    for v in builds:
+        if runner.remaining() < reserve + 5:
+            break
+        guarded(runner.measure_build, v, reserve)
+    for v in halves:
+        if runner.remaining() < 10:
+            break
+        guarded(runner.measure_step, v, 5.0)
+    runner.compiler.pool.shutdown(wait=False, cancel_futures=True)
+    return runner
+
+
+def hlo_check(runner: Runner, v: Variant) -> dict:
+    """Large arrays the compiled step materialises (e.g. a layer's experts copied out of the stacked weights)."""
+    entry = runner.compiler.futures[("step", v)].result()
+    if entry["compiled"] is None:
+        return None
+    s = runner.setup(v.layers)
+    per_layer = _weight_parts(s.cfg, s.dcfg, 1, runner.args.expert_mode, s.dtype)["routed"][0] / s.cfg.num_moe_layers
+    found = large_values(entry["compiled"].as_text(), int(0.05 * per_layer))
+    return {"kind": "hlo_check", "variant": v.name, "C": v.C, "layers": v.layers,
+            "min_GB": 0.05 * per_layer / 1e9, "large_values": found[:40], "count": len(found)}
+
+
+# ---- projection ----------------------------------------------------------------------------------------------
+def project(record) -> list[dict]:
+    """61-layer, 8-GPU step per measured (method, B, C, context), for EP and TP experts.
+
+    Model: the step runs at the efficiency eta the 1-GPU depth-N step reached over its roofline (the sum over
+    parts of max(bytes / copy rate, FLOPs / matmul rate); eta = roofline / (step - tree build)); the 8-GPU step
+    = per-GPU roofline of the 61-layer model / eta + the tree build (not sharded) + the collectives (ring
+    all-reduce: latency + 2(n-1)/n bytes / bus bandwidth, see `collectives`).
+    Where N and N/2 were both measured, the per-layer slope gives the 1-GPU 61-layer time too.
+    """
+    meta = record["projection_assumptions"]
+    n, lat, bw = meta["gpus"], meta["collective_latency_us"], meta["nvlink_busbw_GBps"]
+    ceil = record["ceilings"]
+    steps = [r for r in record["rows"] if r.get("kind") == "step" and "step_ms" in r and r["variant"]
+             in ("ar", "chain") + tuple(f"ddtree{b}" for b in range(1, 1025))]
+    if not steps:
+        return []
+    N = max(r["layers"] for r in steps)
+    cfg61 = preset("k26")
+    dcfg = drafter_config(cfg61, tiny=False)
+    cfgN = preset(f"k26-depth{N}")
+    dcfgN = drafter_config(cfgN, tiny=False)
+    builds = {(r["C"], r["method"], r["B"]): r["build_ms"] for r in record["rows"] if r.get("kind") == "build"
+              and "build_ms" in r}
+    by_key = {(r["layers"], r["method"], r["B"], r["C"], r["context"]): r for r in steps}
+    out = []
+    for r in steps:
+        if r["layers"] != N:
+            continue
+        build = builds.get((r["C"], r["method"], r["B"]), 0.0)
+        roof_n = floor_ms(traffic(cfgN, dcfgN, r["method"], r["B"], r["C"], r["context"]), ceil["copy_TBps"],
+                          ceil["matmul_bf16_TFLOPs"])["roofline_ms"]
+        eta = roof_n / max(r["step_ms"] - build, 1e-9)
+        row = {"kind": "projection", "method": r["method"], "B": r["B"], "C": r["C"], "context": r["context"],
+               "tau": r["tau"], "eta_1gpu": eta, "build_ms": build}
+        half = [h for (layers, *rest), h in by_key.items() if tuple(rest) == (r["method"], r["B"], r["C"],
+                                                                              r["context"]) and layers < N]
+        if half:
+            h = half[0]
+            per_layer = (r["step_ms"] - h["step_ms"]) / (N - h["layers"])
+            row.update(per_layer_ms=per_layer, fixed_ms=r["step_ms"] - N * per_layer,
+                       one_gpu_61_ms=r["step_ms"] + (K26_LAYERS - N) * per_layer)
+        for mode in ("ep", "tp"):
+            parts = traffic(cfg61, dcfg, r["method"], r["B"], r["C"], r["context"], n=n, expert_mode=mode)
+            floor8 = floor_ms(parts, ceil["copy_TBps"], ceil["matmul_bf16_TFLOPs"])
+            coll = collective_ms(collectives(cfg61, dcfg, r["method"], r["B"], r["C"], n), n, lat, bw)
+            t8 = floor8["roofline_ms"] / eta + build + coll
+            tok_s = r["tau"] * r["C"] / t8 * 1e3
+            row[mode] = {"floor_ms": floor8["floor_ms"], "roofline_ms": floor8["roofline_ms"], "collective_ms": coll,
+                         "step_ms": t8, "tok_s": tok_s,
+                         "routed_GB_per_gpu": parts.get("routed", [0])[0] / 1e9}
+            base = SGLANG_DDTREE_8X_PRO6000.get(r["C"])
+            if base and r["method"] == "ddtree":
+                row[mode].update(sglang_tok_s=base, vs_sglang=tok_s / base,
+                                 vs_sglang_per_bandwidth=tok_s / base * PRO6000_TBPS / H200_SPEC_TBPS)
+        row["collective_count"] = sum(c for c, _ in collectives(cfg61, dcfg, r["method"], r["B"], r["C"], n))
+        out.append(row)
+    return out
+
+
+# ---- CPU correctness ------------------------------------------------------------------------------------------
+def oracle_propose(trajectories, depth: int, noise: float, seed: int = 0):
+    """Draft logits that rank the AR continuation first, except at a `noise` share of depths: accept paths > 1."""
+    traj = jnp.asarray(trajectories)
+
+    def propose(params, dparams, state):
+        C, V = traj.shape[0], params["lm_head"].shape[1]
+        idx = jnp.minimum(state.cache.lengths[:, None] + 1 + jnp.arange(depth)[None], traj.shape[1] - 1)
+        true = jnp.take_along_axis(traj, idx, axis=1)                                       # [C, depth]
+        k_noise, k_drop = jax.random.split(jax.random.fold_in(jax.random.key(seed), state.step))
+        boost = jnp.where(jax.random.uniform(k_drop, true.shape) < noise, 0.0, 8.0)
+        logits = jax.random.normal(k_noise, (C, depth, V))
+        return logits.at[jnp.arange(C)[:, None], jnp.arange(depth)[None], true].add(boost)
+
+    return propose
+
+
+def greedy_agreement(model, prompts, max_new: int, methods_budgets) -> list[dict]:
+    """Greedy tokens of each (method, budget) vs AR on the model's mesh, compared up to AR's first near-tie
+    (float32 top-1/top-2 margin < 1e-4), with the random DFlash drafter and with a noisy oracle drafter."""
+    ar = generate(model, prompts, max_new_tokens=max_new, method="ar").tokens
+    safe = []
+    for p, t in zip(prompts, ar):
+        logits = np.asarray(model.logits(np.array([p + t])))[0, len(p) - 1:-1]
+        top2 = np.sort(logits, -1)[:, -2:]
+        tie = np.nonzero(top2[:, 1] - top2[:, 0] < 1e-4)[0]
+        safe.append(int(tie[0]) if tie.size else len(t))
+    width = max(len(p) + len(t) for p, t in zip(prompts, ar)) + model.drafter_cfg.block_size + 1
+    traj = np.zeros((len(prompts), width), np.int32)
+    for i, (p, t) in enumerate(zip(prompts, ar)):
+        traj[i, :len(p) + len(t)] = p + t
+    oracle = oracle_propose(traj, model.drafter_cfg.block_size - 1, noise=0.3)
+    rows = []
+    for (method, budget), (drafter, propose) in itertools.product(methods_budgets,
+                                                                 (("dflash", None), ("oracle", oracle))):
+        res = generate(model, prompts, max_new_tokens=max_new, method=method, budget=budget, propose=propose)
+        same = [a[:k] == b[:k] for a, b, k in zip(ar, res.tokens, safe)]
+        rows.append({"kind": "correctness", "method": method, "B": budget, "drafter": drafter,
+                     "expert_mode": model.impls.expert_mode, "devices": model.mesh.size, "equal_to_ar": all(same),
+                     "compared_tokens": safe, "steps": res.stats["steps"], "tau_real": res.stats["tau"]})
+    return rows
+
+
+def cpu_correctness(args, mesh) -> list[dict]:
+    rows = []
+    for mode in args.correctness_modes:
+        s = Setup(argparse.Namespace(**dict(vars(args), expert_mode=mode)), args.layers, mesh)
+        params, dparams = s.init_fn()()
+        model = api.Model(s.cfg, params, s.impls, mesh, s.dcfg, dparams)
+        rng = np.random.default_rng(args.seed)
+        prompts = [rng.integers(0, s.cfg.vocab_size // 2, n).tolist() for n in (5, 11, 3)]
+        pairs = [(m, b) for m, b in (("ddtree", max(args.budgets)), ("chain", 7)) if m in args.methods]
+        rows += greedy_agreement(model, prompts, args.cpu_new_tokens, pairs)
+    return rows
+
+
+# ---- records and the table -----------------------------------------------------------------------------------
+def write_record(record, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
+def table(record) -> str:
+    lines = ["| N | variant | C | ctx | step ms | tok/s | floor ms | % floor |", "|---|---|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        if r.get("kind") == "step" and "step_ms" in r:
+            lines.append(f"| {r['layers']} | {r['variant']} | {r['C']} | {r['context']} | {r['step_ms']:.2f} | "
+                         f"{r['tok_s']:.0f} | {r['floor_ms']:.2f} | {r['pct_of_floor']:.0f}% |")
+    proj = [r for r in record["rows"] if r.get("kind") == "projection"]
+    if proj:
+        lines += ["", "| 61L x 8 GPU | C | ctx | EP ms | EP tok/s | TP ms | TP tok/s | coll ms | vs SGLang (EP) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in proj:
+            name = f"ddtree{r['B']}" if r["method"] == "ddtree" else r["method"]
+            vs = r["ep"].get("vs_sglang")
+            lines.append(f"| {name} | {r['C']} | {r['context']} | {r['ep']['step_ms']:.2f} | {r['ep']['tok_s']:.0f} |"
+                         f" {r['tp']['step_ms']:.2f} | {r['tp']['tok_s']:.0f} | {r['ep']['collective_ms']:.2f} | "
+                         f"{'' if vs is None else f'{vs:.2f}x'} |")
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+CPU_MESH8_DEFAULTS = dict(preset="tiny", out="bench/results/e2e_cpu_mesh8.json", layers=4, budgets=[8, 16],
+                          concurrency=[2, 1], contexts=[64, 160], ablate_at=[2], half_at=[2], deadline_s=1e9,
+                          repeats=2, rep_seconds=0.05)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results/e2e_h200_depthN.json")
+    ap.add_argument("--preset", default="k26", choices=("k26", "tiny"), help="k26: k26-depthN at full width")
+    ap.add_argument("--layers", type=int, default=12, help="N (the N/2 rows give the per-layer cost)")
+    ap.add_argument("--tau", type=float, default=5.3, help="DDTree accept length (Kimi-K2.5 DFlash figure)")
+    ap.add_argument("--tau-chain", type=float, default=None, help="chain accept length (default: --tau)")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--methods", nargs="+", default=list(engine.METHODS), choices=engine.METHODS)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 4, 10])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--ablate-at", type=int, nargs="*", default=[1, 8], help="C values with phase ablations")
+    ap.add_argument("--half-at", type=int, nargs="*", default=[1, 8, 10], help="C values measured at N/2")
+    ap.add_argument("--expert-mode", default="ep", choices=sharding.EXPERT_MODES)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rep-seconds", type=float, default=0.25)
+    ap.add_argument("--deadline-s", type=float, default=440.0, help="stop measuring this long after start")
+    ap.add_argument("--half-reserve-s", type=float, default=45.0, help="time kept for the N/2 rows")
+    ap.add_argument("--compile-workers", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pallas-interpret", action="store_true", help="Pallas kernels in interpret mode (CPU)")
+    ap.add_argument("--cpu-mesh8", action="store_true", help="tiny shapes on 8 emulated CPU devices")
+    ap.add_argument("--cpu-new-tokens", type=int, default=24)
+    ap.add_argument("--correctness-modes", nargs="*", default=list(sharding.EXPERT_MODES),
+                    choices=sharding.EXPERT_MODES, help="expert layouts checked against AR (--cpu-mesh8)")
+    ap.add_argument("--project", default=None, help="recompute the projection rows of this record and exit")
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--collective-us", type=float, default=10.0, help="latency per collective, microseconds")
+    ap.add_argument("--nvlink-GBps", type=float, default=360.0, help="all-reduce bus bandwidth per GPU, GB/s")
+    args = ap.parse_args(argv)
+    if not 1 <= args.tau <= 8 or (args.tau_chain is not None and not 1 <= args.tau_chain <= 8):
+        ap.error("--tau/--tau-chain: an accept length must lie in [1, block_size] = [1, 8]")
+    if args.cpu_mesh8:
+        for name, value in CPU_MESH8_DEFAULTS.items():
+            if getattr(args, name) == ap.get_default(name):
+                setattr(args, name, value)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.setswitchinterval(5e-4)   # compile threads hold the GIL briefly: keep the timed thread's waits short
+    assumptions = {"gpus": args.gpus, "collective_latency_us": args.collective_us,
+                   "nvlink_busbw_GBps": args.nvlink_GBps}
+    if args.project:
+        with open(args.project) as f:
+            record = json.load(f)
+        record["projection_assumptions"] = assumptions
+        record["rows"] = [r for r in record["rows"] if r.get("kind") != "projection"] + project(record)
+        write_record(record, args.project)
+        print(table(record))
+        return 0
+    mesh = sharding.make_mesh()
+    record = {"device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "backend": jax.default_backend(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": _commit(), "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "jax": jax.__version__, "args": vars(args), "projection_assumptions": assumptions, "rows": []}
+    if jax.default_backend() == "cpu":
+        record["note"] = "CPU: timings are not meaningful; this run checks correctness and the measurement path"
+    small = jax.default_backend() == "cpu"
+    record["ceilings"] = ceilings(small)
+    record["rows"].append(record["ceilings"])
+    print(f"[ceilings] {record['ceilings']}", flush=True)
+    if args.cpu_mesh8:
+        for row in cpu_correctness(args, mesh):
+            record["rows"].append(row)
+            print(f"[correctness] {row}", flush=True)
+        write_record(record, args.out)
+    run_plan(args, mesh, record, args.out)
+    if args.preset == "k26":
+        record["rows"] += project(record)
+    write_record(record, args.out)
+    print(table(record), flush=True)
+    ok = all(r["equal_to_ar"] for r in record["rows"] if r.get("kind") == "correctness")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
