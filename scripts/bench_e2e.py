@@ -497,7 +497,7 @@ class Runner:
     def __init__(self, args, mesh, record, out_path):
         self.args, self.mesh, self.record, self.out_path = args, mesh, record, out_path
         self.compiler = Compiler(max(1, min(args.compile_workers, (os.cpu_count() or 2) - 2)))
-        self.setups, self.params, self.states = {}, None, {}
+        self.setups, self.params, self.states, self.failed_depths = {}, None, {}, set()
         self.ceil = record["ceilings"]
 
     def remaining(self) -> float:
@@ -537,10 +537,15 @@ class Runner:
                 leaf.delete()
             self.params = None
         entry = self._wait(self.compiler.futures[("init", layers)], 5)
-        if entry is None:
+        if entry is None or layers in self.failed_depths:
             return None
         start = time.perf_counter()
-        params, dparams = jax.block_until_ready(entry["compiled"]())
+        try:
+            params, dparams = jax.block_until_ready(entry["compiled"]())
+        except Exception as error:  # noqa: BLE001 -- e.g. out of memory: the other depth may still run
+            self.failed_depths.add(layers)
+            self.add({"kind": "error", "layers": layers, "stage": "init", "error": repr(error)[:3000]})
+            return None
         print(f"[init] {layers} layers on the device in {time.perf_counter() - start:.1f}s "
               f"(compile {entry['compile_s']:.1f}s)", flush=True)
         self.params = (layers, params, dparams)
@@ -673,6 +678,20 @@ def plan(args, N: int):
     return main, halves, builds
 
 
+def fit_layers(args, record) -> int:
+    """The largest N <= --layers whose parameters leave `--headroom-gb` of the device's memory for the rest."""
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if limit is None or args.preset != "k26":
+        return args.layers
+    for layers in range(args.layers, 1, -1):
+        cfg = target_config(args.preset, layers)
+        need = sum(b for b, _ in _weight_parts(cfg, drafter_config(cfg, False), 1, args.expert_mode).values())
+        if need + args.headroom_gb * 1e9 <= limit:
+            record["memory"] = {"bytes_limit": limit, "param_bytes": need, "layers": layers}
+            return layers
+    return 2
+
+
 def run_plan(args, mesh, record, out_path):
     """Compile in priority order (the first C, the N/2 rows, the rest, the builds), measure in plan order."""
     runner = Runner(args, mesh, record, out_path)
@@ -692,6 +711,8 @@ def run_plan(args, mesh, record, out_path):
 
     reserve = args.half_reserve_s if halves else 0.0
     for v in main:
+        if v.layers in runner.failed_depths:
+            continue
         if runner.remaining() < reserve + 15:
             print(f"[deadline] stopping the depth-{args.layers} rows, {runner.remaining():.0f}s left", flush=True)
             break
@@ -799,7 +820,7 @@ def oracle_propose(trajectories, depth: int, noise: float, seed: int = 0):
     return propose
 
 
-def greedy_agreement(model, prompts, max_new: int, methods_budgets) -> list[dict]:
+def greedy_agreement(model, prompts, max_new: int, methods_budgets, drafters=("dflash", "oracle")) -> list[dict]:
     """Greedy tokens of each (method, budget) vs AR on the model's mesh, compared up to AR's first near-tie
     (float32 top-1/top-2 margin < 1e-4), with the random DFlash drafter and with a noisy oracle drafter."""
     ar = generate(model, prompts, max_new_tokens=max_new, method="ar").tokens
@@ -813,10 +834,10 @@ def greedy_agreement(model, prompts, max_new: int, methods_budgets) -> list[dict
     traj = np.zeros((len(prompts), width), np.int32)
     for i, (p, t) in enumerate(zip(prompts, ar)):
         traj[i, :len(p) + len(t)] = p + t
-    oracle = oracle_propose(traj, model.drafter_cfg.block_size - 1, noise=0.3)
+    proposers = {"dflash": None, "oracle": oracle_propose(traj, model.drafter_cfg.block_size - 1, noise=0.3)}
     rows = []
-    for (method, budget), (drafter, propose) in itertools.product(methods_budgets,
-                                                                 (("dflash", None), ("oracle", oracle))):
+    for (method, budget), drafter in itertools.product(methods_budgets, drafters):
+        propose = proposers[drafter]
         res = generate(model, prompts, max_new_tokens=max_new, method=method, budget=budget, propose=propose)
         same = [a[:k] == b[:k] for a, b, k in zip(ar, res.tokens, safe)]
         rows.append({"kind": "correctness", "method": method, "B": budget, "drafter": drafter,
@@ -834,7 +855,7 @@ def cpu_correctness(args, mesh) -> list[dict]:
         rng = np.random.default_rng(args.seed)
         prompts = [rng.integers(0, s.cfg.vocab_size // 2, n).tolist() for n in (5, 11, 3)]
         pairs = [(m, b) for m, b in (("ddtree", max(args.budgets)), ("chain", 7)) if m in args.methods]
-        rows += greedy_agreement(model, prompts, args.cpu_new_tokens, pairs)
+        rows += greedy_agreement(model, prompts, args.cpu_new_tokens, pairs, args.correctness_drafters)
     return rows
 
 
@@ -892,6 +913,7 @@ def parse_args(argv=None):
     ap.add_argument("--ablate-at", type=int, nargs="*", default=[1, 8], help="C values with phase ablations")
     ap.add_argument("--half-at", type=int, nargs="*", default=[1, 8, 10], help="C values measured at N/2")
     ap.add_argument("--expert-mode", default="ep", choices=sharding.EXPERT_MODES)
+    ap.add_argument("--headroom-gb", type=float, default=17.0, help="device memory kept beyond the parameters")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rep-seconds", type=float, default=0.25)
     ap.add_argument("--deadline-s", type=float, default=440.0, help="stop measuring this long after start")
@@ -903,6 +925,8 @@ def parse_args(argv=None):
     ap.add_argument("--cpu-new-tokens", type=int, default=24)
     ap.add_argument("--correctness-modes", nargs="*", default=list(sharding.EXPERT_MODES),
                     choices=sharding.EXPERT_MODES, help="expert layouts checked against AR (--cpu-mesh8)")
+    ap.add_argument("--correctness-drafters", nargs="+", default=["dflash", "oracle"], choices=("dflash", "oracle"),
+                    help="the random DFlash drafter (accepts ~1 token) and a noisy oracle (multi-token accepts)")
     ap.add_argument("--project", default=None, help="recompute the projection rows of this record and exit")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--collective-us", type=float, default=10.0, help="latency per collective, microseconds")
@@ -946,6 +970,7 @@ def main(argv=None) -> int:
             record["rows"].append(row)
             print(f"[correctness] {row}", flush=True)
         write_record(record, args.out)
+    args.layers = fit_layers(args, record)
     run_plan(args, mesh, record, args.out)
     if args.preset == "k26":
         record["rows"] += project(record)
