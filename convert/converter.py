@@ -1,19 +1,21 @@
 """HF K2 / K2.5 / K2.6 (+ a z-lab DFlash drafter) -> a k26jax orbax checkpoint, one layer at a time.
 
-Streaming: the work is a list of steps ("top": embed / final norm / lm_head in vocabulary blocks; "layer i"; "drafter").
+Streaming: the work is a list of steps ("top": final norm, embed and lm_head in row blocks; "layer i"; "drafter").
 A step reads its tensors one by one (hf_layout), assembles one leaf slice at a time and writes it into the stacked
-zarr array at [layer index] (zarr_tree), so peak host memory is about one leaf of one layer plus its copy in flight.
+zarr array at [layer index] (zarr_tree), so peak host memory is about one leaf of one layer plus the mapped source
+pages it came from. Every leaf receives its slices in C order (layer after layer, row block after row block), so
+its sha256 is computed while it is written, on the second core, as tensorstore writes.
 
 Resume and atomicity:
   * everything is built in the staging directory OUT.partial/; OUT itself appears only at the end, by one rename;
-  * OUT.partial/plan.json pins the source (index, config, shard sizes) and the options; --resume refuses a plan
+  * OUT.partial/plan.json pins the source (config, index, shard sizes) and the options; --resume refuses a plan
     that differs;
-  * OUT.partial/journal.jsonl gets one line per finished step, appended only after all of the step's slices are
-    written. A step cut short by kill -9 is not in the journal and is redone whole on --resume; its chunk files are
-    simply overwritten (chunks never span layers);
-  * at the end the manifest's per-leaf sha256 are computed by reading the arrays back from disk (so they certify
-    the files, and nothing has to survive a crash but the journal), then COMPLETE (holding the manifest's sha256)
-    is written, and OUT.partial is renamed to OUT. The loader refuses any directory without a matching COMPLETE.
+  * OUT.partial/journal.jsonl gets one line per finished step, appended (and fsynced) only after all of the step's
+    slices are in the files. A step cut short by kill -9 is not in the journal and is redone whole on --resume; its
+    chunk files are simply overwritten (chunks never span layers). The finished steps are read back once to resume
+    the checksums;
+  * at the end: orbax's _METADATA, manifest.json (per-leaf shape, dtype, chunks, sha256), then COMPLETE holding the
+    manifest's sha256, then the rename. The loader refuses any directory without a matching COMPLETE.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from collections.abc import Callable, Iterator
 
 import jax
@@ -32,7 +35,7 @@ from jax.sharding import AbstractMesh, PartitionSpec
 from convert import hf_layout
 from convert.hf_layout import CheckpointError, HFCheckpoint
 from convert.zarr_tree import ZarrTree
-from k26jax import sharding
+from k26jax import checkpoint, sharding
 from k26jax.checkpoint import COMPLETE_FILE, DRAFTER_DIR, FORMAT, MANIFEST_FILE, PARAMS_DIR
 from k26jax.config import DrafterConfig, ModelConfig
 
@@ -40,6 +43,7 @@ STAGING_SUFFIX = ".partial"
 PLAN_FILE, JOURNAL_FILE = "plan.json", "journal.jsonl"
 COPIED_FILES = ("config.json", "generation_config.json", "tiktoken.model", "tokenizer_config.json")
 KILL_HOOK = "K26JAX_CONVERT_KILL_AFTER_PIECES"  # tests: SIGKILL this process after N slices are written
+TOP_CHUNK_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
@@ -57,14 +61,32 @@ class Options:
 
 
 @dataclasses.dataclass
+class _Step:
+    name: str
+    rows: dict[str, tuple[int, int]]  # leaf -> the rows [start, stop) of axis 0 this step writes
+    pieces: Callable[[], Iterator]  # yields (leaf path, index, array)
+
+
+@dataclasses.dataclass
 class _Job:
-    """One checkpoint to build (the target, or the drafter in OUT/drafter)."""
+    """One checkpoint to build: the target in OUT, or the drafter in OUT/drafter."""
     kind: str
     subdir: str
     hf_config: dict
     generation_config: dict | None
     leaves: dict[str, dict]  # flat name -> {shape, dtype, chunks}
-    steps: list[tuple[str, int, Callable[[], Iterator]]]  # (name, bytes, pieces: (leaf name, index, array))
+    steps: list[_Step]
+
+    def step_bytes(self, step: _Step) -> int:
+        return sum((stop - start) * _row_bytes(self.leaves[name]) for name, (start, stop) in step.rows.items())
+
+
+def _row_bytes(leaf: dict) -> int:
+    return int(np.prod(leaf["shape"][1:])) * _np_dtype(leaf["dtype"]).itemsize
+
+
+def _np_dtype(name: str) -> np.dtype:
+    return hf_layout.BF16 if name == "bfloat16" else np.dtype(name)
 
 
 # ---- planning ----------------------------------------------------------------------------------------------
@@ -78,13 +100,17 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def _chunks(shape, spec: PartitionSpec, mesh: AbstractMesh, stacked: bool) -> list[int]:
-    """One device's shard of one layer: [1, *shard] for stacked leaves, the shard shape otherwise."""
+def _chunks(shape, dtype, spec: PartitionSpec, mesh: AbstractMesh, stacked: bool) -> list[int]:
+    """One device's shard, cut to one layer ([1, *shard]) for stacked leaves, else to <= TOP_CHUNK_BYTES rows."""
     spec = sharding.fit_spec(spec, tuple(shape), mesh)
     axes = tuple(spec) + (None,) * (len(shape) - len(spec))
     chunks = [dim // (1 if axis is None else mesh.shape[axis]) for dim, axis in zip(shape, axes)]
     if stacked:
         chunks[0] = 1
+    else:
+        row_bytes = int(np.prod(chunks[1:])) * _np_dtype(str(np.dtype(dtype))).itemsize
+        chunks[0] = max(d for d in range(1, chunks[0] + 1)
+                        if chunks[0] % d == 0 and (d * row_bytes <= TOP_CHUNK_BYTES or d == 1))
     return chunks
 
 
@@ -93,7 +119,7 @@ def _leaves(shapes: dict, specs: dict, mesh: AbstractMesh, stacked: Callable[[st
     if set(shapes) != set(specs):
         raise RuntimeError(f"parameter tree and sharding specs differ: {sorted(set(shapes) ^ set(specs))}")
     return {name: {"shape": list(shape), "dtype": str(np.dtype(dtype)),
-                   "chunks": _chunks(shape, specs[name], mesh, stacked(name))}
+                   "chunks": _chunks(shape, dtype, specs[name], mesh, stacked(name))}
             for name, (shape, dtype) in shapes.items()}
 
 
@@ -108,21 +134,20 @@ def _target_job(opts: Options, mesh: AbstractMesh) -> tuple[_Job, ModelConfig, H
     cfg = ModelConfig.from_hf_dir(opts.hf_dir)
     hf = HFCheckpoint(opts.hf_dir)
     hf_layout.validate(hf, cfg)
+    hf.release()
     shapes = hf_layout.param_shapes(cfg, opts.dtype)
     specs = sharding.param_partition_specs(cfg, opts.expert_mode)
     leaves = _leaves(shapes, specs, mesh, stacked=lambda name: name.split(".")[0] in ("dense", "moe"))
-    nbytes = {name: int(np.prod(leaf["shape"])) * np.dtype(_np_dtype(leaf["dtype"])).itemsize
-              for name, leaf in leaves.items()}
-    top_bytes = sum(b for name, b in nbytes.items() if "." not in name)
-    embed_rows = leaves["embed"]["chunks"][0]
-    steps = [("top", top_bytes, lambda: hf_layout.top_pieces(hf, cfg, opts.dtype, rows=embed_rows))]
-    counts = {"dense": cfg.num_dense_layers, "moe": cfg.num_moe_layers}
+    top = [name for name in leaves if "." not in name]
+    embed_rows, head_rows = leaves["embed"]["chunks"][0], leaves["lm_head"]["chunks"][0]
+    steps = [_Step("top", {name: (0, leaves[name]["shape"][0]) for name in top},
+                   lambda: hf_layout.top_pieces(hf, cfg, opts.dtype, embed_rows, head_rows))]
     for layer in range(cfg.num_hidden_layers):
         kind, i = hf_layout.kind_index(cfg, layer)
-        layer_bytes = sum(b for name, b in nbytes.items() if name.startswith(kind + ".")) // counts[kind]
-        steps.append((f"layer {layer}", layer_bytes,
-                      lambda layer=layer, kind=kind, i=i: (((kind, *path), (i,), arr) for path, arr in
-                                                           hf_layout.layer_pieces(hf, cfg, layer, opts.dtype))))
+        rows = {name: (i, i + 1) for name in leaves if name.startswith(kind + ".")}
+        steps.append(_Step(f"layer {layer}", rows,
+                           lambda layer=layer, kind=kind, i=i: (((kind, *path), (i,), arr) for path, arr in
+                                                                hf_layout.layer_pieces(hf, cfg, layer, opts.dtype))))
     job = _Job("target", "", _read_json(os.path.join(opts.hf_dir, "config.json")),
                _read_json(os.path.join(opts.hf_dir, "generation_config.json")), leaves, steps)
     return job, cfg, hf
@@ -145,13 +170,9 @@ def _drafter_job(opts: Options, target: ModelConfig, mesh: AbstractMesh) -> _Job
         for name in leaves:
             yield tuple(name.split(".")), (), np.asarray(params.pop(name)).astype(dtype)
 
-    nbytes = sum(int(np.prod(leaf["shape"])) * dtype.itemsize for leaf in leaves.values())
+    step = _Step("drafter", {name: (0, leaf["shape"][0]) for name, leaf in leaves.items()}, pieces)
     return _Job("drafter", DRAFTER_DIR, _read_json(os.path.join(opts.drafter_dir, "config.json")), None, leaves,
-                [("drafter", nbytes, pieces)])
-
-
-def _np_dtype(name: str):
-    return hf_layout.BF16 if name == "bfloat16" else np.dtype(name)
+                [step])
 
 
 def _file_sha256(path: str) -> str | None:
@@ -174,7 +195,7 @@ def _plan(opts: Options, hf: HFCheckpoint) -> dict:
 
 
 # ---- output directory policy -------------------------------------------------------------------------------
-def _prepare_staging(opts: Options, plan: dict) -> tuple[str, set[str]]:
+def _prepare_staging(opts: Options, plan: dict) -> tuple[str, list[str]]:
     """Checks OUT and OUT.partial against --resume / --overwrite; returns (staging dir, finished steps)."""
     out, staging = opts.out, opts.out + STAGING_SUFFIX
     if os.path.exists(out) and not opts.overwrite:
@@ -186,25 +207,25 @@ def _prepare_staging(opts: Options, plan: dict) -> tuple[str, set[str]]:
             raise FileExistsError(f"{staging}: an interrupted conversion is there; pass --resume to continue it "
                                   f"or --overwrite to start over")
     if os.path.exists(staging):
-        old = _read_json(os.path.join(staging, PLAN_FILE))
+        old = _read_json(os.path.join(staging, PLAN_FILE)) or {}
         if old != plan:
-            diff = sorted(k for k in set(plan) | set(old or {}) if (old or {}).get(k) != plan.get(k))
+            diff = sorted(k for k in set(plan) | set(old) if old.get(k) != plan.get(k))
             raise ValueError(f"{staging}: cannot --resume: it was started with a different source or options "
                              f"(differs in {diff}); pass --overwrite to start over")
         return staging, _journal(staging)
     os.makedirs(staging)
     with open(os.path.join(staging, PLAN_FILE), "w") as f:
         json.dump(plan, f, indent=1)
-    return staging, set()
+    return staging, []
 
 
-def _journal(staging: str) -> set[str]:
-    path, done = os.path.join(staging, JOURNAL_FILE), set()
+def _journal(staging: str) -> list[str]:
+    path, done = os.path.join(staging, JOURNAL_FILE), []
     if os.path.isfile(path):
         with open(path) as f:
             for line in f:
                 try:
-                    done.add(json.loads(line)["step"])
+                    done.append(json.loads(line)["step"])
                 except (json.JSONDecodeError, KeyError):
                     break  # a line torn by the crash: it and anything after it do not count
     return done
@@ -228,11 +249,11 @@ def convert(opts: Options, log: Callable[[str], None] = print) -> dict:
         raise ValueError(f"--mesh {opts.mesh}: must be >= 1")
     out_abs, hf_abs = os.path.abspath(opts.out), os.path.abspath(opts.hf_dir)
     if out_abs == hf_abs or out_abs.startswith(hf_abs + os.sep) or hf_abs.startswith(out_abs + os.sep):
-        raise ValueError(f"--out {opts.out}: must not be or contain (or lie inside) --hf {opts.hf_dir}")
+        raise ValueError(f"--out {opts.out}: must not be, contain or lie inside --hf {opts.hf_dir}")
     mesh = AbstractMesh((1, opts.mesh), (sharding.DATA, sharding.MODEL))
     target, cfg, hf = _target_job(opts, mesh)
     jobs = [target] + ([_drafter_job(opts, cfg, mesh)] if opts.drafter_dir else [])
-    total = sum(b for job in jobs for _, b, _ in job.steps)
+    total = sum(job.step_bytes(step) for job in jobs for step in job.steps)
     summary = {"total_bytes": total, "skipped": hf.skipped_summary() or "nothing",
                "leaves": sum(len(job.leaves) for job in jobs), "steps": sum(len(job.steps) for job in jobs)}
     log(f"{opts.hf_dir}: {cfg.num_hidden_layers} layers ({cfg.num_dense_layers} dense, {cfg.num_moe_layers} MoE), "
@@ -242,16 +263,25 @@ def convert(opts: Options, log: Callable[[str], None] = print) -> dict:
             for name, leaf in job.leaves.items():
                 log(f"  {job.kind:7s} {name:28s} {leaf['dtype']:8s} {leaf['shape']} chunks {leaf['chunks']}")
         return summary
+    if opts.resume and os.path.exists(opts.out) and not os.path.exists(opts.out + STAGING_SUFFIX):
+        checkpoint.read_manifest(opts.out)  # raises unless complete
+        log(f"{opts.out} is already complete; nothing to resume")
+        return summary
     staging, done = _prepare_staging(opts, _plan(opts, hf))
-    if done:
-        log(f"resuming {staging}: {len(done)} of {summary['steps']} steps already done")
     for name in COPIED_FILES:
         if os.path.isfile(os.path.join(opts.hf_dir, name)):
             shutil.copyfile(os.path.join(opts.hf_dir, name), os.path.join(staging, name))
     trees = [ZarrTree(os.path.join(staging, job.subdir, PARAMS_DIR), job.leaves) for job in jobs]
-    _write_steps(jobs, trees, staging, done, total, hf, opts.progress)
-    for job, tree in reversed(list(zip(jobs, trees))):  # the drafter's COMPLETE first, the target's last
-        _finish(job, tree, os.path.join(staging, job.subdir), opts, hf, opts.progress)
+    hashers = [{name: hashlib.sha256() for name in job.leaves} for job in jobs]
+    start = time.perf_counter()
+    if done:
+        log(f"resuming {staging}: {len(done)} of {summary['steps']} steps already done; re-reading them for the "
+            f"checksums")
+        _rehash(jobs, trees, hashers, set(done), opts.progress)
+    _write_steps(jobs, trees, hashers, staging, set(done), total, hf, opts.progress)
+    for job, tree, hasher in reversed(list(zip(jobs, trees, hashers))):  # the target's COMPLETE last
+        _finish(job, tree, hasher, os.path.join(staging, job.subdir), opts, hf)
+    summary["write_s"] = time.perf_counter() - start
     if os.path.exists(opts.out):  # --overwrite: swap in the new checkpoint, then drop the old one
         old = f"{opts.out}.old-{os.getpid()}"
         os.rename(opts.out, old)
@@ -263,22 +293,40 @@ def convert(opts: Options, log: Callable[[str], None] = print) -> dict:
     return summary
 
 
-def _write_steps(jobs, trees, staging, done, total, hf, progress) -> None:
+def _rehash(jobs, trees, hashers, done: set[str], progress: bool) -> None:
+    """Feeds the checksums with what the finished steps wrote, read back in the order it was written."""
+    from tqdm import tqdm
+
+    total = sum(job.step_bytes(s) for job in jobs for s in job.steps if f"{job.kind}:{s.name}" in done)
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="re-read", disable=not progress) as bar:
+        for job, tree, hasher in zip(jobs, trees, hashers):
+            for step in job.steps:
+                if f"{job.kind}:{step.name}" in done:
+                    for name, (start, stop) in step.rows.items():
+                        for block in tree.read_rows(name, start, stop):
+                            hasher[name].update(block.view(np.uint8))
+                            bar.update(block.nbytes)
+
+
+def _write_steps(jobs, trees, hashers, staging, done: set[str], total: int, hf, progress: bool) -> None:
     from tqdm import tqdm
 
     kill_after = int(os.environ.get(KILL_HOOK, "0"))
     written = 0
-    initial = sum(b for job in jobs for step, b, _ in job.steps if f"{job.kind}:{step}" in done)
+    initial = sum(job.step_bytes(s) for job in jobs for s in job.steps if f"{job.kind}:{s.name}" in done)
     with tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
               disable=not progress, smoothing=0.1) as bar:
-        for job, tree in zip(jobs, trees):
-            for step, _, pieces in job.steps:
-                key = f"{job.kind}:{step}"
+        for job, tree, hasher in zip(jobs, trees, hashers):
+            for step in job.steps:
+                key = f"{job.kind}:{step.name}"
                 if key in done:
                     continue
                 bar.set_postfix_str(key, refresh=False)
-                for path, index, arr in pieces():
-                    tree.write(".".join(path), index, arr)
+                for path, index, arr in step.pieces():
+                    name, arr = ".".join(path), np.ascontiguousarray(arr)
+                    pending = tree.write(name, index, arr)
+                    hasher[name].update(arr.view(np.uint8))  # overlaps the write; releases the GIL
+                    pending.result()
                     bar.update(arr.nbytes)
                     del arr
                     hf.release()
@@ -288,22 +336,15 @@ def _write_steps(jobs, trees, staging, done, total, hf, progress) -> None:
                 _log_step(staging, key)
 
 
-def _finish(job: _Job, tree: ZarrTree, job_dir: str, opts: Options, hf: HFCheckpoint, progress: bool) -> None:
-    """orbax metadata, checksums read back from disk, manifest, then the COMPLETE marker."""
-    from tqdm import tqdm
-
+def _finish(job: _Job, tree: ZarrTree, hasher: dict, job_dir: str, opts: Options, hf: HFCheckpoint) -> None:
+    """orbax metadata, manifest, then the COMPLETE marker."""
     tree.write_orbax_metadata()
-    leaves = {}
-    with tqdm(total=len(job.leaves), desc=f"checksum {job.kind}", unit="leaf", disable=not progress) as bar:
-        for name, leaf in job.leaves.items():
-            leaves[name] = dict(leaf, sha256=tree.sha256(name))
-            bar.update()
     manifest = {"format": FORMAT, "kind": job.kind, "hf_config": job.hf_config,
                 "generation_config": job.generation_config, "dtype": opts.dtype, "expert_mode": opts.expert_mode,
                 "mesh": opts.mesh, "source": os.path.abspath(opts.hf_dir if job.kind == "target" else opts.drafter_dir),
                 "skipped": {g: {"tensors": n, "bytes": b} for g, (n, b) in hf.skipped.items()}
                 if job.kind == "target" else {},
-                "leaves": leaves}
+                "leaves": {name: dict(leaf, sha256=hasher[name].hexdigest()) for name, leaf in job.leaves.items()}}
     raw = json.dumps(manifest, indent=1).encode()
     with open(os.path.join(job_dir, MANIFEST_FILE), "wb") as f:
         f.write(raw)
@@ -313,6 +354,3 @@ def _finish(job: _Job, tree: ZarrTree, job_dir: str, opts: Options, hf: HFCheckp
         json.dump({"format": FORMAT, "manifest_sha256": hashlib.sha256(raw).hexdigest()}, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-__all__ = ["CheckpointError", "Options", "convert"]

@@ -31,6 +31,7 @@ WRAPPER_PREFIX = "language_model."
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
 SKIPPED_SUFFIXES = (".rotary_emb.inv_freq",)
 PACK, GROUP = 8, 32  # INT4 values per int32 word, input rows per scale
+RELEASE_EVERY = 16  # experts read between unmapping the shards
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"bfloat16": BF16, "float32": np.dtype(np.float32)}
@@ -133,6 +134,11 @@ class HFCheckpoint:
         """Rows [start, stop) of a tensor (leading axis), reading only those bytes."""
         handle, disk_name = self._handle(name)
         return handle.get_slice(disk_name)[start:stop]
+
+    def read_columns(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Columns [start, stop) of a 2-D tensor (strided read of the mapped shard)."""
+        handle, disk_name = self._handle(name)
+        return handle.get_slice(disk_name)[:, start:stop]
 
     def release(self) -> None:
         """Unmaps the shards opened so far (mapped pages count towards resident memory)."""
@@ -304,6 +310,17 @@ def _linear_weight(hf: HFCheckpoint, prefix: str, dtype: np.dtype) -> np.ndarray
     return w.astype(BF16).astype(dtype, copy=False)
 
 
+def transpose(a: np.ndarray, out: np.ndarray | None = None, tile: int = 256) -> np.ndarray:
+    """a [R, C] -> a.T [C, R] written into `out` (new C-contiguous array by default), in cache-sized tiles:
+    several times faster than numpy's own transposing copy for large 2-byte matrices."""
+    rows, cols = a.shape
+    out = np.empty((cols, rows), a.dtype) if out is None else out
+    for i in range(0, rows, tile):
+        for j in range(0, cols, tile):
+            out[j:j + tile, i:i + tile] = a[i:i + tile, j:j + tile].T
+    return out
+
+
 def unpack_int4_rows(packed: np.ndarray) -> np.ndarray:
     """int32 words [K/8, ...] -> int8 values [K, ...]: row 8j+k is nibble k of word j, value = nibble - 8."""
     shifts = (4 * np.arange(PACK, dtype=np.int32)).reshape(1, PACK, *([1] * (packed.ndim - 1)))
@@ -314,12 +331,12 @@ def unpack_int4_rows(packed: np.ndarray) -> np.ndarray:
 def _swiglu_pieces(hf: HFCheckpoint, prefix: str, dtype: np.dtype) -> Iterator:
     gate = _linear_weight(hf, prefix + "gate_proj", dtype)
     gate_up = np.empty((gate.shape[1], 2, gate.shape[0]), dtype)  # [D, 2, I]
-    gate_up[:, 0] = gate.T
+    transpose(gate, out=gate_up[:, 0])
     del gate
-    gate_up[:, 1] = _linear_weight(hf, prefix + "up_proj", dtype).T
+    transpose(_linear_weight(hf, prefix + "up_proj", dtype), out=gate_up[:, 1])
     yield ("gate_up",), gate_up
     del gate_up
-    yield ("down",), np.ascontiguousarray(_linear_weight(hf, prefix + "down_proj", dtype).T)
+    yield ("down",), transpose(_linear_weight(hf, prefix + "down_proj", dtype))
 
 
 def _expert_pieces(hf: HFCheckpoint, cfg: ModelConfig, prefix: str) -> Iterator:
@@ -328,14 +345,18 @@ def _expert_pieces(hf: HFCheckpoint, cfg: ModelConfig, prefix: str) -> Iterator:
     for suffix, group, dtype in (("packed", PACK, np.int32), ("scale", GROUP, BF16)):
         w13 = np.empty((E, D // group, 2, Im), dtype)
         for e in range(E):
+            if e % RELEASE_EVERY == 0:
+                hf.release()  # bounds the mapped (resident) source pages to a few experts
             for j, proj in enumerate(("gate_proj", "up_proj")):
-                w13[e, :, j] = hf.read(f"{prefix}{e}.{proj}.weight_{suffix}").T  # [Im, D/g] -> [D/g, Im]
+                transpose(hf.read(f"{prefix}{e}.{proj}.weight_{suffix}"), out=w13[e, :, j])  # [Im, D/g] -> [D/g, Im]
         yield (f"w13_{suffix}",), w13
         del w13
     for suffix, group, dtype in (("packed", PACK, np.int32), ("scale", GROUP, BF16)):
         w2 = np.empty((E, Im // group, D), dtype)
         for e in range(E):
-            w2[e] = hf.read(f"{prefix}{e}.down_proj.weight_{suffix}").T  # [D, Im/g] -> [Im/g, D]
+            if e % RELEASE_EVERY == 0:
+                hf.release()
+            transpose(hf.read(f"{prefix}{e}.down_proj.weight_{suffix}"), out=w2[e])  # [D, Im/g] -> [Im/g, D]
         yield (f"w2_{suffix}",), w2
         del w2
 
@@ -350,24 +371,24 @@ def layer_pieces(hf: HFCheckpoint, cfg: ModelConfig, layer: int, dtype: str = "b
     yield ("post_attn_norm",), _float(hf, p + "post_attention_layernorm.weight", f)
     a = p + "self_attn."
     if cfg.q_lora_rank is None:
-        yield ("attn", "q"), _linear_weight(hf, a + "q_proj", f).T.reshape(D, H, Dq)
+        yield ("attn", "q"), transpose(_linear_weight(hf, a + "q_proj", f)).reshape(D, H, Dq)
     else:
-        yield ("attn", "q_a"), np.ascontiguousarray(_linear_weight(hf, a + "q_a_proj", f).T)
+        yield ("attn", "q_a"), transpose(_linear_weight(hf, a + "q_a_proj", f))
         yield ("attn", "q_a_norm"), _float(hf, a + "q_a_layernorm.weight", f)
-        yield ("attn", "q_b"), _linear_weight(hf, a + "q_b_proj", f).T.reshape(cfg.q_lora_rank, H, Dq)
-    yield ("attn", "kv_a"), np.ascontiguousarray(_linear_weight(hf, a + "kv_a_proj_with_mqa", f).T)
+        yield ("attn", "q_b"), transpose(_linear_weight(hf, a + "q_b_proj", f)).reshape(cfg.q_lora_rank, H, Dq)
+    yield ("attn", "kv_a"), transpose(_linear_weight(hf, a + "kv_a_proj_with_mqa", f))
     yield ("attn", "kv_a_norm"), _float(hf, a + "kv_a_layernorm.weight", f)
     kv_b = _linear_weight(hf, a + "kv_b_proj", f).reshape(H, Dn + Dv, R)
     yield ("attn", "w_uk"), np.ascontiguousarray(kv_b[:, :Dn])
     yield ("attn", "w_uv"), np.ascontiguousarray(kv_b[:, Dn:])
     del kv_b
-    yield ("attn", "o"), _linear_weight(hf, a + "o_proj", f).T.reshape(H, Dv, D)
+    yield ("attn", "o"), transpose(_linear_weight(hf, a + "o_proj", f)).reshape(H, Dv, D)
     m = p + "mlp."
     if not cfg.is_moe_layer(layer):
         for path, arr in _swiglu_pieces(hf, m, f):
             yield ("mlp", *path), arr
         return
-    yield ("mlp", "router_kernel"), np.ascontiguousarray(_float(hf, m + "gate.weight", f).T)
+    yield ("mlp", "router_kernel"), transpose(_float(hf, m + "gate.weight", f))
     yield ("mlp", "router_bias"), _float(hf, m + "gate.e_score_correction_bias", np.dtype(np.float32))
     if cfg.n_shared_experts:
         for path, arr in _swiglu_pieces(hf, m + "shared_experts.", f):
@@ -376,17 +397,20 @@ def layer_pieces(hf: HFCheckpoint, cfg: ModelConfig, layer: int, dtype: str = "b
         yield ("mlp", *path), arr
 
 
-def top_pieces(hf: HFCheckpoint, cfg: ModelConfig, dtype: str = "bfloat16", rows: int | None = None) -> Iterator:
-    """Yields (path, index, array) for embed / final_norm / lm_head; the vocabulary comes in blocks of `rows`."""
-    f, V = DTYPES[dtype], cfg.vocab_size
-    rows = rows or V
+def top_pieces(hf: HFCheckpoint, cfg: ModelConfig, dtype: str = "bfloat16", embed_rows: int | None = None,
+               head_rows: int | None = None) -> Iterator:
+    """Yields (path, index, array) for final_norm, embed [V, D] in blocks of `embed_rows` rows, and lm_head [D, V]
+    in blocks of `head_rows` rows (each read as a column block of HF's [V, D]); blocks come in C order."""
+    f, V, D = DTYPES[dtype], cfg.vocab_size, cfg.hidden_size
     yield ("final_norm",), (), _float(hf, "model.norm.weight", f)
-    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    for start in range(0, V, rows):
-        stop = min(start + rows, V)
-        yield ("embed",), (slice(start, stop),), hf.read_rows("model.embed_tokens.weight", start, stop).astype(f)
-        head_rows = hf.read_rows(head, start, stop).astype(f)
-        yield ("lm_head",), (slice(None), slice(start, stop)), np.ascontiguousarray(head_rows.T)
+    embed = "model.embed_tokens.weight"
+    for start in range(0, V, embed_rows or V):
+        rows = slice(start, min(start + (embed_rows or V), V))
+        yield ("embed",), (rows,), hf.read_rows(embed, rows.start, rows.stop).astype(f, copy=False)
+    head = embed if cfg.tie_word_embeddings else "lm_head.weight"
+    for start in range(0, D, head_rows or D):
+        rows = slice(start, min(start + (head_rows or D), D))
+        yield ("lm_head",), (rows,), transpose(hf.read_columns(head, rows.start, rows.stop).astype(f, copy=False))
 
 
 def kind_index(cfg: ModelConfig, layer: int) -> tuple[str, int]:

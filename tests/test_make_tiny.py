@@ -38,6 +38,8 @@ def test_pack_int4_rejects_bad_input(q, match):
 
 
 def test_committed_tiny_is_what_make_tiny_writes(tmp_path):
+    """If this fails after a change to make_tiny, the presets or the drafter init, regenerate the committed copy:
+    rm -r checkpoints/tiny && python -m convert.make_tiny --out checkpoints/tiny"""
     make_tiny.make_tiny(str(tmp_path / "t"))
     cmp = filecmp.dircmp(TINY, tmp_path / "t")
     assert not cmp.left_only and not cmp.right_only
