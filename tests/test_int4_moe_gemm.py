@@ -211,7 +211,7 @@ def _lower_for_cuda(num_tokens, tiling, dtype=jnp.bfloat16):
     return hlo.count(plgpu.CUSTOM_CALL_TARGET_NAME)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 4, 16, 256, 1024, 8192])
+@pytest.mark.parametrize("num_tokens", [1, 16, 1024, 4096])  # one M for each tiling choose_tiling returns
 def test_every_default_tiling_lowers_for_cuda(num_tokens):
     for dtype in (jnp.bfloat16, jnp.float32):
         tiling = moe.choose_tiling(num_tokens, 8, dtype)
