@@ -145,15 +145,15 @@ class Setup:
                                 drafter_lib.init_params(self.dcfg, seed + 1, dtype)),
                        out_shardings=(self.params_sh, self.dparams_sh))
 
-    def state_fn(self, v: Variant):
-        fill = functools.partial(synthetic_state, cfg=self.cfg, dcfg=self.dcfg, sc=self.step_config(v), C=v.C,
+    def _fill(self, v: Variant):
+        return functools.partial(synthetic_state, cfg=self.cfg, dcfg=self.dcfg, sc=self.step_config(v), C=v.C,
                                  S=self.cache_len(v), context=v.context, dtype=self.dtype)
-        return jax.jit(fill, out_shardings=self.state_shardings(v))
+
+    def state_fn(self, v: Variant):
+        return jax.jit(self._fill(v), out_shardings=self.state_shardings(v))
 
     def state_shardings(self, v: Variant):
-        fill = functools.partial(synthetic_state, cfg=self.cfg, dcfg=self.dcfg, sc=self.step_config(v), C=v.C,
-                                 S=self.cache_len(v), context=v.context, dtype=self.dtype)
-        abstract = jax.eval_shape(fill, jax.random.key(0))
+        abstract = jax.eval_shape(self._fill(v), jax.random.key(0))
         ctx_spec = drafter_lib.drafter_cache_partition_spec(self.dcfg, self.mesh.shape[sharding.MODEL]) \
             if v.method != "ar" else P()
         specs = engine.DecodeState(
@@ -167,8 +167,7 @@ class Setup:
                                  impls=impls, tau=self.tau(v), seed=self.args.seed, skip=frozenset(v.skip))
         state_sh = self.state_shardings(v)
         fn = jax.jit(functools.partial(run_steps, step_fn=step), donate_argnums=2, out_shardings=state_sh)
-        state_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                 jax.eval_shape(self.state_fn(v), jax.random.key(0)), state_sh)
+        state_abs = _with_sharding(jax.eval_shape(self._fill(v), jax.random.key(0)), state_sh)
         return fn.lower(_with_sharding(self.params_abs, self.params_sh),
                         _with_sharding(self.dparams_abs, self.dparams_sh), state_abs,
                         jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated))
@@ -666,7 +665,7 @@ def methods(args):
 
 
 def plan(args, N: int):
-    """(timed first: [Variant], then the N/2 rows, the builds) in priority order."""
+    """(depth-N step variants, N/2 step variants, tree builds), each list in measuring order."""
     half = max(2, N // 2)
     mid = args.budgets[len(args.budgets) // 2]
     by_priority = sorted(methods(args), key=lambda m: (m != ("ddtree", mid), m[0] != "ar", m[0] != "chain"))
