@@ -30,10 +30,11 @@ def _check_args(tokens, parents, post, num_nodes, max_depth):
 
 
 def _tree_accept_kernel(num_nodes_ref, tokens_ref, parents_ref, post_ref, path_ref, accept_len_ref, bonus_ref,
-                        *, max_depth):
+                        *, budget, max_depth):
+    """tokens_ref [C, NB] and parents_ref [C, NB+1] are padded (NB = next power of 2 >= B) so that the
+    power-of-2 node loads stay inside the arrays."""
     c = pl.program_id(0)
-    budget = tokens_ref.shape[1]
-    node_block = pl.next_power_of_2(budget)
+    node_block = tokens_ref.shape[1]
     path_block = pl.next_power_of_2(max_depth + 1)
     lane = jnp.arange(node_block, dtype=jnp.int32)
     node = lane + 1                                               # lane l holds node l+1
@@ -67,11 +68,13 @@ def tree_accept(tokens, parents, post, num_nodes, *, max_depth, interpret=False)
     """
     _check_args(tokens, parents, post, num_nodes, max_depth)
     num_requests, budget = tokens.shape
+    pad = ((0, 0), (0, pl.next_power_of_2(budget) - budget))
+    tokens, parents = jnp.pad(tokens, pad, constant_values=-1), jnp.pad(parents, pad, constant_values=-1)
     out_shape = (jax.ShapeDtypeStruct((num_requests, max_depth + 1), jnp.int32),
                  jax.ShapeDtypeStruct((num_requests,), jnp.int32),
                  jax.ShapeDtypeStruct((num_requests,), jnp.int32))
     return pl.pallas_call(
-        functools.partial(_tree_accept_kernel, max_depth=max_depth),
+        functools.partial(_tree_accept_kernel, budget=budget, max_depth=max_depth),
         out_shape=out_shape,
         grid=(num_requests,),
         compiler_params=plgpu.CompilerParams(num_warps=1 if budget <= 256 else 4, num_stages=1),

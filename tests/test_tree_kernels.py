@@ -246,3 +246,13 @@ def test_bad_inputs_name_the_argument():
         tree_accept(ids[:, 0], rows, rows[:, :4], budgets, max_depth=3)
     with pytest.raises(ValueError, match="max_depth"):
         tree_accept(ids[:, 0], rows, rows, budgets, max_depth=0)
+
+
+@pytest.mark.parametrize("budget", [3, 7, 15, 31])
+def test_accept_chains_with_non_power_of_two_budgets(budget):
+    """Chain DFlash uses B = L (7 or 15): the kernel's power-of-2 node loads must stay inside [C, B+1]."""
+    tokens = np.arange(10, 10 + budget, dtype=np.int32)[None]
+    parents = np.arange(-1, budget, dtype=np.int32)[None]
+    post = np.concatenate([tokens[0], [99]])[None].astype(np.int32)
+    post[0, budget // 2] = 98                              # the target disagrees halfway down the chain
+    check_accept(tokens, parents, np.array([budget], np.int32), jnp.asarray(post), budget)
