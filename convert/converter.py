@@ -65,6 +65,7 @@ class _Step:
     name: str
     rows: dict[str, tuple[int, int]]  # leaf -> the rows [start, stop) of axis 0 this step writes
     pieces: Callable[[], Iterator]  # yields (leaf path, index, array)
+    source_prefix: str | None = None  # HF tensor names this step reads (prefetched while the step before runs)
 
 
 @dataclasses.dataclass
@@ -147,7 +148,8 @@ def _target_job(opts: Options, mesh: AbstractMesh) -> tuple[_Job, ModelConfig, H
         rows = {name: (i, i + 1) for name in leaves if name.startswith(kind + ".")}
         steps.append(_Step(f"layer {layer}", rows,
                            lambda layer=layer, kind=kind, i=i: (((kind, *path), (i,), arr) for path, arr in
-                                                                hf_layout.layer_pieces(hf, cfg, layer, opts.dtype))))
+                                                                hf_layout.layer_pieces(hf, cfg, layer, opts.dtype)),
+                           source_prefix=f"model.layers.{layer}."))
     job = _Job("target", "", _read_json(os.path.join(opts.hf_dir, "config.json")),
                _read_json(os.path.join(opts.hf_dir, "generation_config.json")), leaves, steps)
     return job, cfg, hf
@@ -317,11 +319,13 @@ def _write_steps(jobs, trees, hashers, staging, done: set[str], total: int, hf, 
     with tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
               disable=not progress, smoothing=0.1) as bar:
         for job, tree, hasher in zip(jobs, trees, hashers):
-            for step in job.steps:
+            for k, step in enumerate(job.steps):
                 key = f"{job.kind}:{step.name}"
                 if key in done:
                     continue
                 bar.set_postfix_str(key, refresh=False)
+                if k + 1 < len(job.steps) and job.steps[k + 1].source_prefix:
+                    hf.prefetch(job.steps[k + 1].source_prefix)
                 for path, index, arr in step.pieces():
                     name, arr = ".".join(path), np.ascontiguousarray(arr)
                     pending = tree.write(name, index, arr)

@@ -58,14 +58,15 @@ class HFCheckpoint:
 
     def __init__(self, hf_dir: str | os.PathLike):
         self.dir = os.fspath(hf_dir)
-        self.entries: dict[str, dict[str, Any]] = {}  # canonical name -> {file, disk_name, shape, dtype, nbytes}
+        self.entries: dict[str, dict[str, Any]] = {}  # name -> {file, disk_name, shape, dtype, nbytes, offset}
         self.skipped: dict[str, list[int]] = {}  # skipped group -> [tensors, bytes]
         self._handles: dict[str, Any] = {}
         weight_map = self._weight_map()
         headers = {f: self._header(f, sorted(n for n, g in weight_map.items() if g == f))
                    for f in sorted(set(weight_map.values()))}
         for disk_name, file in weight_map.items():
-            info = headers[file].get(disk_name)
+            header, data_start = headers[file]
+            info = header.get(disk_name)
             if info is None:
                 raise CheckpointError(f"{self._path(file)}: {INDEX_FILE} lists tensor {disk_name!r} in this shard, "
                                       f"but the shard does not contain it")
@@ -81,7 +82,8 @@ class HFCheckpoint:
             if name in self.entries:
                 raise CheckpointError(f"{self._path(file)}: tensor {disk_name!r} maps to {name!r}, which "
                                       f"{self.entries[name]['disk_name']!r} in {self.entries[name]['file']} also does")
-            self.entries[name] = dict(file=file, disk_name=disk_name, shape=shape, dtype=dtype, nbytes=nbytes)
+            self.entries[name] = dict(file=file, disk_name=disk_name, shape=shape, dtype=dtype, nbytes=nbytes,
+                                      offset=data_start + info["data_offsets"][0])
 
     # ---- index and headers --------------------------------------------------------------------------------
     def _path(self, file: str) -> str:
@@ -102,7 +104,7 @@ class HFCheckpoint:
             return {name: SINGLE_FILE for name in _read_header(self._path(SINGLE_FILE))[0]}
         raise CheckpointError(f"{self.dir}: neither {INDEX_FILE} nor {SINGLE_FILE} exists")
 
-    def _header(self, file: str, names: list[str]) -> dict[str, Any]:
+    def _header(self, file: str, names: list[str]) -> tuple[dict[str, Any], int]:
         path = self._path(file)
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: shard is missing; {INDEX_FILE} maps {len(names)} tensor(s) to it, "
@@ -113,7 +115,7 @@ class HFCheckpoint:
         if size < data_start + data_end:
             raise CheckpointError(f"{path}: shard is truncated: its header needs {data_start + data_end} bytes, "
                                   f"the file has {size}")
-        return header
+        return header, data_start
 
     # ---- reading ------------------------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -139,6 +141,21 @@ class HFCheckpoint:
         """Columns [start, stop) of a 2-D tensor (strided read of the mapped shard)."""
         handle, disk_name = self._handle(name)
         return handle.get_slice(disk_name)[:, start:stop]
+
+    def prefetch(self, prefix: str) -> None:
+        """Asks the OS to start reading every tensor whose name starts with `prefix` (POSIX_FADV_WILLNEED), so the
+        disk works ahead while the current layer is assembled."""
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for name, entry in self.entries.items():
+            if name.startswith(prefix):
+                by_file.setdefault(entry["file"], []).append((entry["offset"], entry["nbytes"]))
+        for file, ranges in by_file.items():
+            fd = os.open(self._path(file), os.O_RDONLY)
+            try:
+                for offset, nbytes in ranges:
+                    os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
     def release(self) -> None:
         """Unmaps the shards opened so far (mapped pages count towards resident memory)."""
