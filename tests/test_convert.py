@@ -120,12 +120,29 @@ def _hf_with_int4_fixture(tmp_path):
     new = {prefix + f"{p}_proj.weight_packed": fx["packed"] for p in ("gate", "up")}
     new.update({prefix + f"{p}_proj.weight_scale": fx["scale"].astype(hf_layout.BF16) for p in ("gate", "up")})
     new[prefix + "down_proj.weight_packed"] = make_tiny.pack_int4(fx["q_int"].T)
+    shared = "language_model.model.layers.1.mlp.shared_experts.gate_proj."  # a packed linear outside the experts
+    removed = {shared + "weight": {shared + "weight_packed": fx["packed"], shared + "weight_scale":
+                                   fx["scale"].astype(hf_layout.BF16), shared + "weight_shape": np.array([64, 96])}}
     for name, value in new.items():
-        shard = os.path.join(out, weight_map[name])
-        tensors = load_file(shard)
-        tensors[name] = value
-        save_file(tensors, shard, metadata={"format": "pt"})
+        _edit_shard(out, weight_map, {name: value})
+    for name, replacement in removed.items():
+        _edit_shard(out, weight_map, replacement, remove=name)
     return out, fx
+
+
+def _edit_shard(hf_dir, weight_map, tensors, remove=None):
+    """Sets `tensors` in the shard that holds `remove` (or the first of them, or else the first shard), dropping
+    `remove`; rewrites the index."""
+    file = weight_map.get(remove or next(iter(tensors))) or min(weight_map.values())
+    shard = os.path.join(hf_dir, file)
+    content = load_file(shard)
+    if remove:
+        del content[remove], weight_map[remove]
+    content.update(tensors)
+    weight_map.update({name: file for name in tensors})
+    save_file(content, shard, metadata={"format": "pt"})
+    with open(os.path.join(hf_dir, hf_layout.INDEX_FILE), "w") as f:
+        json.dump({"weight_map": weight_map}, f)
 
 
 def test_int4_relayout_matches_compressed_tensors(tmp_path):
@@ -142,6 +159,28 @@ def test_int4_relayout_matches_compressed_tensors(tmp_path):
             np.testing.assert_array_equal(deq, fx["dequantized"].T)
         down = np.asarray(unpack_int4(np.asarray(mlp["w2_packed"][0, 0]), axis=0))  # [64, 96]
         np.testing.assert_array_equal(down, fx["q_int"])
+        shared_gate = np.asarray(mlp["shared"]["gate_up"][0, :, 0, :]).astype(np.float32)  # dequantized on read
+        np.testing.assert_array_equal(shared_gate, fx["dequantized"].T)
+
+
+def test_k2_layout_inv_freq_and_int64_weight_shape(tmp_path):
+    """K2 naming (no prefix, `model-1-of-2` shards, q_lora_rank null), a skipped rotary_emb.inv_freq, and
+    weight_shape stored as int64 (as compressed-tensors itself writes it)."""
+    hf = str(tmp_path / "k2")
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "parity_k2_group"), hf)
+    with open(os.path.join(hf, hf_layout.INDEX_FILE)) as f:
+        weight_map = json.load(f)["weight_map"]
+    assert not any(n.startswith("language_model.") for n in weight_map)
+    name = "model.layers.2.mlp.experts.0.down_proj.weight_shape"
+    shape = load_file(os.path.join(hf, weight_map[name]))[name]
+    _edit_shard(hf, weight_map, {name: shape.astype(np.int64)})
+    _edit_shard(hf, weight_map, {"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)})
+    cfg = ModelConfig.from_hf_dir(hf)
+    summary = _convert(tmp_path / "o", hf=hf)
+    assert "rotary_emb.inv_freq: 1 tensors" in summary["skipped"]
+    _, params = checkpoint.restore(tmp_path / "o")
+    _assert_trees_equal(params, hf_layout.read_hf_params(hf, cfg))
+    assert "q" in params["moe"]["attn"] and "q_a" not in params["moe"]["attn"]
 
 
 def _run_cli(args, env=None):
