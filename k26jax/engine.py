@@ -146,10 +146,15 @@ def build_tree(draft_logits_CLV, *, sc: StepConfig, impls: ops.Impls):
 
 
 def step(params, dparams, state: DecodeState, *, cfg: ModelConfig, dcfg, sc: StepConfig, impls: ops.Impls,
-         propose: Callable | None = None) -> DecodeState:
-    """One speculative step. `propose(params, dparams, state) -> draft logits [C, L, V]` (default: DFlash)."""
+         propose: Callable | None = None, accept: Callable | None = None) -> DecodeState:
+    """One speculative step.
+
+    propose(params, dparams, state) -> draft logits [C, L, V] (default: the DFlash drafter);
+    accept(tokens, parents, post, num_nodes, state) -> (path, accept_len, bonus) (default: ops.tree_accept;
+    benchmarks replace it to impose an accept length).
+    """
     C = state.root.shape[0]
-    L, B = sc.depth, sc.tree_size
+    L = sc.depth
     key, k_choice = jax.random.split(state.key)
     if sc.method == "ar":
         tokens, depths = jnp.zeros((C, 0), jnp.int32), jnp.zeros((C, 0), jnp.int32)
@@ -168,7 +173,8 @@ def step(params, dparams, state: DecodeState, *, cfg: ModelConfig, dcfg, sc: Ste
     if sc.method == "ar":
         path, accept_len, bonus = jnp.zeros((C, 1), jnp.int32), jnp.ones(C, jnp.int32), post[:, 0]
     else:
-        path, accept_len, bonus = ops.tree_accept(tokens, parents, post, num_nodes, max_depth=L, impls=impls)
+        accept = accept or (lambda *tree: ops.tree_accept(*tree[:4], max_depth=L, impls=impls))
+        path, accept_len, bonus = accept(tokens, parents, post, num_nodes, state)
     return commit(state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc)
 
 

@@ -45,15 +45,19 @@ class Impls:
         return self.mesh is not None and self.mesh.size > 1
 
 
-def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, impls: Impls):
-    """Routed INT4 experts: y [N,D] = sum_k w_k * expert_k(x). See pallas_kernels/int4_moe_gemm.py."""
+def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, layer, impls: Impls):
+    """Routed INT4 experts of MoE layer `layer`: y [N,D] = sum_k w_k * expert_k(x).
+
+    The weights are the whole per-layer stacks ([n, E, ...]): the kernel indexes the layer itself, because a
+    slice in front of a custom call would copy ~9.5 GB of experts per K2.6 layer. See int4_moe_gemm.py.
+    """
     args = (x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
     if impls.moe == "reference":
-        return int4_moe_gemm.fused_moe_reference(*args)
+        return int4_moe_gemm.fused_moe_reference(*args, layer=layer)
     if impls.sharded:
         return int4_moe_gemm.fused_moe_sharded(impls.mesh, mode=impls.expert_mode, impl="pallas",
-                                               interpret=impls.interpret)(*args)
-    return int4_moe_gemm.fused_moe(*args, interpret=impls.interpret)
+                                               interpret=impls.interpret, stacked=True)(*args, layer)
+    return int4_moe_gemm.fused_moe(*args, interpret=impls.interpret, layer=layer)
 
 
 def mla_attention(q_lat, q_rope, cache_layer, prefix_len, tail_rows, visibility, *, scale: float, impls: Impls):

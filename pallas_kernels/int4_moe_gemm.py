@@ -74,15 +74,24 @@ def _check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
     return e, d, i
 
 
+def select_layer(weights, layer):
+    """Weights stacked per layer ([n, E, ...] each) -> layer `layer`'s [E, ...] (layer None: unstacked input)."""
+    if layer is None:
+        return weights
+    return tuple(jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False) for w in weights)
+
+
 def fused_moe_reference(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *,
-                        expert_offset=0, out_dtype=None):
+                        expert_offset=0, out_dtype=None, layer=None):
     """Plain-jnp fused MoE. x [M, D], topk_ids [M, k] int, topk_weights [M, k] -> y [M, D] (out_dtype or x.dtype).
 
     y[m] = sum_j topk_weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = topk_ids[m, j] - expert_offset;
     ids outside [expert_offset, expert_offset + E) contribute nothing. Gate/up and down accumulate in fp32,
     h is cast to x.dtype, the top-k sum is fp32. Scans over the E local experts (one dequantized expert live
     at a time) and combines with a per-token coefficient, so memory stays O(M*D + D*I).
+    layer: the weights are stacked per layer ([n, E, ...]) and this layer is used.
     """
+    w13_packed, w13_scale, w2_packed, w2_scale = select_layer((w13_packed, w13_scale, w2_packed, w2_scale), layer)
     _check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
     local_ids = topk_ids.astype(jnp.int32) - expert_offset
     weights = topk_weights.astype(jnp.float32)
@@ -342,15 +351,29 @@ def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps
 
 
 def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset=0,
-              tiling=None, out_dtype=None, interpret=False):
+              tiling=None, out_dtype=None, interpret=False, layer=None):
     """Pallas-Triton fused MoE with the contract of `fused_moe_reference`.
 
     Routing metadata in XLA (pairs sorted by expert and padded to block_m rows, or one pair per block when
     `tiling.per_pair`), then two grouped W4A16 kernels (gate_up with the SiLU*up epilogue; down with the
     routing weight and optional split-K), then the fp32 top-k (and split) combine in XLA.
     tiling: None = `choose_tiling(M)`; its N/K blocks are shrunk to divide D and I. expert_offset may be traced.
+    layer (may be traced): the weights are stacked per layer ([n, E, ...]); the kernels index layer `layer`
+    inside the whole stack (viewed as [n*E, ...], a free reshape), so no per-layer copy of the experts is
+    made, as slicing the stack in front of the custom call would.
     """
-    num_experts, d, i = _check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    weights = (w13_packed, w13_scale, w2_packed, w2_scale)
+    stack_offset = 0
+    if layer is not None:
+        num_layers, per_layer = w13_packed.shape[:2]
+        if any(w.shape[:2] != (num_layers, per_layer) for w in weights):
+            raise ValueError(f"stacked weights must share their leading [n, E] dims, got {[w.shape for w in weights]}")
+        weights = tuple(w.reshape((num_layers * per_layer,) + w.shape[2:]) for w in weights)
+        stack_offset = layer * per_layer
+    w13_packed, w13_scale, w2_packed, w2_scale = weights
+    _check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    num_experts = per_layer if layer is not None else w13_packed.shape[0]
+    d, i = x.shape[1], w13_packed.shape[-1]
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
     num_tokens, top_k = topk_ids.shape
@@ -367,7 +390,9 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
     else:
         route = sort_routing(local_ids, num_experts, bm)
         num_blocks = route.block_expert.shape[0]
-    common = dict(per_pair=tiling.per_pair, num_experts=num_experts, block_m=bm, dequant=tiling.dequant)
+    if layer is not None:  # rows of this layer in the flattened stack; off-shard/padding stays -1
+        route = tuple(jnp.where((r >= 0) & (r < num_experts), r + stack_offset, -1) for r in route[:1]) + route[1:]
+    common = dict(per_pair=tiling.per_pair, num_experts=w13_packed.shape[0], block_m=bm, dequant=tiling.dequant)
     params = plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
 
     h = pl.pallas_call(
@@ -392,9 +417,10 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
     return y.reshape(num_tokens, top_k, d).sum(axis=1).astype(out_dtype or x.dtype)
 
 
-def fused_moe_specs(mode, axis="model"):
+def fused_moe_specs(mode, axis="model", stacked=False):
     """PartitionSpecs of (x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale) that
-    `fused_moe_sharded` expects: activations and routing replicated, experts ("ep") or I ("tp") split."""
+    `fused_moe_sharded` expects: activations and routing replicated, experts ("ep") or I ("tp") split.
+    stacked: weights carry a leading (unsplit) layer dim."""
     if mode not in ("ep", "tp"):
         raise ValueError(f"mode must be 'ep' or 'tp', got {mode!r}")
     spec = jax.sharding.PartitionSpec
@@ -402,12 +428,15 @@ def fused_moe_specs(mode, axis="model"):
         weights = (spec(axis),) * 4
     else:  # w13 on its last axis (I), w2 on its I/8 and I/32 axes
         weights = (spec(None, None, None, axis),) * 2 + (spec(None, axis, None),) * 2
+    if stacked:
+        weights = tuple(spec(None, *w) for w in weights)
     return (spec(), spec(), spec(), *weights)
 
 
-def fused_moe_sharded(mesh, *, axis="model", mode="ep", impl="pallas", interpret=False, tiling=None):
+def fused_moe_sharded(mesh, *, axis="model", mode="ep", impl="pallas", interpret=False, tiling=None, stacked=False):
     """fused_moe under shard_map over mesh axis `axis`. Returns f(x, topk_ids, topk_weights, w13_packed,
     w13_scale, w2_packed, w2_scale) -> y [M, D], arguments sharded as `fused_moe_specs(mode, axis)` says.
+    stacked: weights are stacked per layer ([n, E, ...]) and f takes a further argument, the layer (int32 []).
 
     mode="ep": experts split (shard s owns experts [s * E_local, (s + 1) * E_local)).
     mode="tp": the intermediate dim I split (w13 on its last axis, w2 on its I/8 and I/32 axes).
@@ -417,17 +446,18 @@ def fused_moe_sharded(mesh, *, axis="model", mode="ep", impl="pallas", interpret
         raise ValueError(f"impl must be 'pallas' or 'reference', got {impl!r}")
     if axis not in mesh.axis_names:
         raise ValueError(f"axis {axis!r} is not one of the mesh axes {mesh.axis_names}")
-    specs = fused_moe_specs(mode, axis)
+    specs = fused_moe_specs(mode, axis, stacked) + ((jax.sharding.PartitionSpec(),) if stacked else ())
 
-    def local_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
-        offset = jax.lax.axis_index(axis) * w13_packed.shape[0] if mode == "ep" else 0
+    def local_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, layer=None):
+        experts_local = w13_packed.shape[1 if stacked else 0]
+        offset = jax.lax.axis_index(axis) * experts_local if mode == "ep" else 0
         weights = (w13_packed, w13_scale, w2_packed, w2_scale)
         if impl == "pallas":
             y = fused_moe(x, topk_ids, topk_weights, *weights, expert_offset=offset, tiling=tiling,
-                          out_dtype=jnp.float32, interpret=interpret)
+                          out_dtype=jnp.float32, interpret=interpret, layer=layer)
         else:
             y = fused_moe_reference(x, topk_ids, topk_weights, *weights, expert_offset=offset,
-                                    out_dtype=jnp.float32)
+                                    out_dtype=jnp.float32, layer=layer)
         return jax.lax.psum(y, axis).astype(x.dtype)
 
     return jax.shard_map(local_moe, mesh=mesh, in_specs=specs, out_specs=jax.sharding.PartitionSpec(),

@@ -206,26 +206,29 @@ def _pow2_at_least(n):
 @functools.partial(jax.jit, static_argnames=["scale", "block_m", "block_k", "block_r", "num_splits", "num_warps",
                                              "num_stages", "interpret"])
 def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, block_m: int = 64,
-                       block_k: int = 32, block_r: int | None = None, num_splits: int | None = None,
-                       num_warps: int | None = None, num_stages: int = 3, interpret: bool = False):
+                       block_k: int = 64, block_r: int | None = None, num_splits: int | None = None,
+                       num_warps: int | None = None, num_stages: int = 2, interpret: bool = False):
   """Pallas-Triton tree MLA attention; arguments and result as in `tree_mla_attention_reference`.
 
   Knobs: block_m query rows (tree token x head) per tile, clamped to T*H (at least 16); block_k
-  prefix keys per step; block_r width of the latent chunks (default and at most R); num_splits
-  prefix ranges per sequence (default: about one wave of programs); num_warps (default 8 for
-  block_m >= 64, else 4) and num_stages for Triton. The defaults use 184 KB of shared memory at
-  R = 512 (sm_90 allows 227 KB); block_k = 64 with num_stages = 2 uses 221 KB.
+  prefix keys per step; block_r width of the latent chunks (default 256 for 64-row tiles, else R);
+  num_splits prefix ranges per sequence (default: about one wave of programs for 64-row tiles, two for
+  16-row tiles); num_warps (default 8 for block_m >= 64, else 4) and num_stages for Triton.
+  Defaults are the H200 tuning winners (bench/verify_attn.md): block_k 64, 2 stages, latent in 256-wide
+  chunks for 64-row tiles (verify 42.5% of floor vs 34.9% for block_k 32 / 3 stages / whole latent), and
+  whole latent with ~2 waves of splits for 16-row tiles (decode at 8 heads: 71.9% vs 58.6% at one wave).
   """
   C, T, H, R, P = _check_args(q_lat, q_rope, cache, prefix_len, tail, visibility)
   M, S_max = T * H, cache.shape[1]
   block_m = min(block_m, max(16, _pow2_at_least(M)))
-  block_r = min(R, block_r or R)
+  block_r = min(R, block_r or (256 if block_m >= 64 else R))
   for name, n in (("block_m", block_m), ("block_k", block_k), ("block_r", block_r)):
     if n < 16 or n & (n - 1):
       raise ValueError(f"{name} must be a power of two >= 16, got {n}")
   num_m_blocks = pl.cdiv(M, block_m)
   if num_splits is None:
-    num_splits = max(1, min(pl.cdiv(_NUM_SMS, C * num_m_blocks), pl.cdiv(S_max, 4 * block_k)))
+    waves = 1 if block_m >= 64 else 2
+    num_splits = max(1, min(pl.cdiv(waves * _NUM_SMS, C * num_m_blocks), pl.cdiv(S_max, 4 * block_k)))
   if num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
   params = plgpu.CompilerParams(num_warps=num_warps or (8 if block_m >= 64 else 4), num_stages=num_stages)

@@ -231,36 +231,24 @@ def controlled_step(params, dparams, state: engine.DecodeState, *, cfg, dcfg, sc
                     impls: ops.Impls, tau: float, seed: int, skip=frozenset()) -> engine.DecodeState:
     """engine.step with the accept result replaced by a seeded draw of mean tau (and phases in `skip` removed)."""
     C, L = state.root.shape[0], sc.depth
-    key, k_choice = jax.random.split(state.key)
     step_key = jax.random.fold_in(jax.random.key(seed), state.step)
-    with _skipping(skip):
-        if sc.method == "ar":
-            tokens, depths = jnp.zeros((C, 0), jnp.int32), jnp.zeros((C, 0), jnp.int32)
-            parents, num_nodes = jnp.full((C, 1), -1, jnp.int32), jnp.zeros(C, jnp.int32)
-        else:
-            if "draft" in skip:
-                draft = jax.random.normal(jax.random.fold_in(step_key, 1), (C, L, cfg.vocab_size), jnp.float32)
-            else:
-                draft = engine.dflash_propose(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc)
-            tokens, depths, parents, num_nodes = engine.build_tree(draft, sc=sc, impls=impls)
-        ids = jnp.concatenate([state.root[:, None], jnp.maximum(tokens, 0)], axis=1)
-        positions = state.cache.lengths[:, None] + jnp.concatenate(
-            [jnp.zeros((C, 1), jnp.int32), jnp.maximum(depths, 0)], axis=1)
-        layer_ids = tuple(dcfg.target_layer_ids) if L else ()
-        logits, tail_rows, feats = target.forward_tail(params, cfg, ids, positions, state.cache.rows,
-                                                       state.cache.lengths, visibility_from_parents(parents),
-                                                       impls, layer_ids)
-    post = engine.choose(logits, k_choice, sc)
-    if sc.method == "ar":
-        path, accept_len, bonus = jnp.zeros((C, 1), jnp.int32), jnp.ones(C, jnp.int32), post[:, 0]
-    else:
+
+    def propose(params, dparams, state):
+        if "draft" in skip:
+            return jax.random.normal(jax.random.fold_in(step_key, 1), (C, L, cfg.vocab_size), jnp.float32)
+        return engine.dflash_propose(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc)
+
+    def accept(tokens, parents, post, num_nodes, state):
         _, walked, _ = ops.tree_accept(tokens, parents, post, num_nodes, max_depth=L, impls=impls)
         drawn = draw_accept_lengths(step_key, C, L, tau)
         accept_len = jnp.where(walked > L + 1, walked, drawn)          # never taken: keeps the real walk live
         j = jnp.arange(L + 1, dtype=jnp.int32)[None]
         path = jnp.where(j < accept_len[:, None], j, -1)
-        bonus = jnp.take_along_axis(post, (accept_len - 1)[:, None], axis=1)[:, 0]
-    return engine.commit(state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc)
+        return path, accept_len, jnp.take_along_axis(post, (accept_len - 1)[:, None], axis=1)[:, 0]
+
+    with _skipping(skip):
+        return engine.step(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls, propose=propose,
+                           accept=accept)
 
 
 def run_steps(params, dparams, state, num_steps, *, step_fn):
@@ -340,7 +328,7 @@ def traffic(cfg: ModelConfig, dcfg: DrafterConfig, method: str, budget: int, C: 
         touched, worst = experts_touched(tokens, E, k, n)
         share = touched / E if expert_mode == "tp" or n == 1 else worst * n / E
         out["routed"] = [routed_b * share, 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * k * tokens / n]
-    D, V, H = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
+    D, H = cfg.hidden_size, cfg.num_attention_heads
     out["embed"] = [tokens * D * item, 0]
     out["lm_head"] = [w["lm_head"][0], 2 * w["lm_head"][1] * tokens]
     h_local = H // n if H % n == 0 else H

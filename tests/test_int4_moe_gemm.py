@@ -222,3 +222,34 @@ def test_every_default_tiling_lowers_for_cuda(num_tokens):
 def test_split_k_variant_lowers_for_cuda():
     tiling = dataclasses.replace(moe.choose_tiling(64, 8), split_k_down=2)
     assert _lower_for_cuda(64, tiling) == 2
+
+
+def test_stacked_weights_with_layer_index_equal_that_layers_experts():
+    """Weights stacked per layer ([n, E, ...]) with a traced layer index == that layer's own [E, ...] weights."""
+    layers = [random_experts(seed, num_experts=8, d=256, i=256)[0] for seed in (11, 12, 13)]
+    stacked = tuple(jnp.stack(ws) for ws in zip(*layers))
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(5, 256)), jnp.float32)
+    ids, weights = random_routing(9, 5, 2, 10)                         # ids 8, 9 are off-shard
+    for layer in range(3):
+        y_ref = moe.fused_moe_reference(x, ids, weights, *layers[layer])
+        for per_pair in (False, True):
+            tiling = moe.Tiling(per_pair=per_pair, block_n_gate_up=64, block_n_down=64, dequant="f32")
+            y = jax.jit(functools.partial(moe.fused_moe, tiling=tiling, interpret=True))(
+                x, ids, weights, *stacked, layer=jnp.int32(layer))
+            assert rel_err(y, y_ref) < 1e-5
+        assert rel_err(moe.fused_moe_reference(x, ids, weights, *stacked, layer=jnp.int32(layer)), y_ref) < 1e-6
+
+
+def test_stacked_form_lowers_for_cuda():
+    n, e, d, i = 3, 384, 7168, 2048
+    args = (jax.ShapeDtypeStruct((16, d), jnp.bfloat16), jax.ShapeDtypeStruct((16, 8), jnp.int32),
+            jax.ShapeDtypeStruct((16, 8), jnp.float32),
+            jax.ShapeDtypeStruct((n, e, d // 8, 2, i), jnp.int32),
+            jax.ShapeDtypeStruct((n, e, d // 32, 2, i), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n, e, i // 8, d), jnp.int32), jax.ShapeDtypeStruct((n, e, i // 32, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((), jnp.int32))
+    with use_abstract_mesh(H200):
+        hlo = jax.jit(lambda *a: moe.fused_moe(*a[:-1], layer=a[-1])).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert hlo.count(plgpu.CUSTOM_CALL_TARGET_NAME) == 2
+    assert "dynamic_slice" not in hlo                                   # the stack is not sliced per layer

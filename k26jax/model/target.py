@@ -123,19 +123,26 @@ def segments(cfg: ModelConfig):
     return out
 
 
-def _moe_ffn(mlp, x_BTD, cfg: ModelConfig, impls: ops.Impls):
+EXPERT_KEYS = ("w13_packed", "w13_scale", "w2_packed", "w2_scale")
+
+
+def _moe_ffn(mlp, experts, index, x_BTD, cfg: ModelConfig, impls: ops.Impls):
+    """MoE FFN of MoE layer `index`; `experts` holds the whole stacks of the routed-expert weights."""
     B, T, D = x_BTD.shape
     x_ND = x_BTD.reshape(B * T, D)
     topk_ids, topk_weights = L.route(mlp["router_kernel"], mlp["router_bias"], x_ND, cfg)
-    y = ops.moe_gemm(x_ND, topk_ids, topk_weights, mlp["w13_packed"], mlp["w13_scale"], mlp["w2_packed"],
-                     mlp["w2_scale"], impls=impls)
+    y = ops.moe_gemm(x_ND, topk_ids, topk_weights, *(experts[k] for k in EXPERT_KEYS), layer=index, impls=impls)
     if "shared" in mlp:
         y = y + L.swiglu_mlp(mlp["shared"], x_ND[None])[0]
     return y.reshape(B, T, D)
 
 
-def _ffn(kind, mlp, x, cfg, impls):
-    return L.swiglu_mlp(mlp, x) if kind == "dense" else _moe_ffn(mlp, x, cfg, impls)
+def _split_experts(stack):
+    """(stack without the routed-expert weights, those weights) -- the experts are not scanned over."""
+    if "w13_packed" not in stack["mlp"]:
+        return stack, None
+    mlp = {k: v for k, v in stack["mlp"].items() if k not in EXPERT_KEYS}
+    return {**stack, "mlp": mlp}, {k: stack["mlp"][k] for k in EXPERT_KEYS}
 
 
 def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden_layer_ids=(), cache=None):
@@ -147,17 +154,21 @@ def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden
     feats = jnp.zeros((wanted.shape[0],) + x_BTD.shape, x_BTD.dtype)
     all_rows = []
     for kind, first, count, layer0 in segments(cfg):
-        stack = jax.tree.map(lambda a: a[first:first + count], params[kind])
-        xs = {"p": stack, "layer": layer0 + jnp.arange(count, dtype=jnp.int32)}
+        scanned, experts = _split_experts(params[kind])
+        xs = {"p": jax.tree.map(lambda a: a[first:first + count], scanned),
+              "layer": layer0 + jnp.arange(count, dtype=jnp.int32),
+              "index": first + jnp.arange(count, dtype=jnp.int32)}
         if cache is not None:
             xs["cache"] = cache[layer0:layer0 + count]
 
-        def body(carry, xs, kind=kind):
+        def body(carry, xs, kind=kind, experts=experts):
             h, feats = carry
             p = xs["p"]
             a, rows = attend(p["attn"], L.rms_norm(h, p["input_norm"], cfg.rms_norm_eps), xs.get("cache"))
             h = h + a
-            h = h + _ffn(kind, p["mlp"], L.rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps), cfg, impls)
+            x = L.rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
+            h = h + (L.swiglu_mlp(p["mlp"], x) if kind == "dense"
+                     else _moe_ffn(p["mlp"], experts, xs["index"], x, cfg, impls))
             feats = jnp.where((wanted == xs["layer"])[:, None, None, None], h[None], feats)
             return (h, feats), rows
 
