@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from convert import hf_layout
-from convert.hf_layout import CheckpointError, HFCheckpoint
+from convert.hf_layout import HFCheckpoint
 from convert.zarr_tree import ZarrTree
 from k26jax import checkpoint, sharding
 from k26jax.checkpoint import COMPLETE_FILE, DRAFTER_DIR, FORMAT, MANIFEST_FILE, PARAMS_DIR

@@ -35,13 +35,8 @@ RELEASE_EVERY = 16  # experts read between unmapping the shards
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"bfloat16": BF16, "float32": np.dtype(np.float32)}
-# safetensors dtype tag -> (numpy dtype or None when numpy cannot hold it, bytes per element)
-_ST_DTYPES = {
-    "BOOL": (np.bool_, 1), "U8": (np.uint8, 1), "I8": (np.int8, 1), "I16": (np.int16, 2), "U16": (np.uint16, 2),
-    "F16": (np.float16, 2), "BF16": (BF16, 2), "I32": (np.int32, 4), "U32": (np.uint32, 4), "F32": (np.float32, 4),
-    "F64": (np.float64, 8), "I64": (np.int64, 8), "U64": (np.uint64, 8),
-    "F8_E4M3": (None, 1), "F8_E5M2": (None, 1),
-}
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}  # safetensors dtype tag -> bytes
 FLOATS = ("BF16", "F16", "F32")
 
 
@@ -71,7 +66,7 @@ class HFCheckpoint:
                 raise CheckpointError(f"{self._path(file)}: {INDEX_FILE} lists tensor {disk_name!r} in this shard, "
                                       f"but the shard does not contain it")
             dtype, shape = info["dtype"], tuple(info["shape"])
-            nbytes = int(np.prod(shape, dtype=np.int64)) * _ST_DTYPES.get(dtype, (None, 1))[1]
+            nbytes = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE.get(dtype, 1)
             name = disk_name[len(WRAPPER_PREFIX):] if disk_name.startswith(WRAPPER_PREFIX) else disk_name
             group = next((p.rstrip(".") for p in SKIPPED_PREFIXES if name.startswith(p)), None)
             group = group or next((s.lstrip(".") for s in SKIPPED_SUFFIXES if name.endswith(s)), None)

@@ -37,11 +37,6 @@ class IncompleteCheckpointError(ValueError):
     """A directory that is not a complete converted checkpoint (e.g. an interrupted conversion)."""
 
 
-def is_converted(path: str | os.PathLike) -> bool:
-    """Whether `path` looks like converter output (complete or not): it has params/ or a manifest."""
-    return any(os.path.exists(os.path.join(path, n)) for n in (PARAMS_DIR, MANIFEST_FILE, COMPLETE_FILE))
-
-
 def read_manifest(path: str | os.PathLike) -> dict:
     """The manifest of a complete checkpoint; IncompleteCheckpointError (naming what is wrong) otherwise."""
     path = os.fspath(path)
