@@ -45,7 +45,8 @@ def main(argv=None) -> int:
                       temperature=args.temperature, top_p=args.top_p, seed=args.seed, on_tokens=stream)
     s = result.stats
     print(f"\n[k26jax] {s['new_tokens']} tokens in {s['steps']} steps, tau={s['tau']:.2f}, "
-          f"{s['tokens_per_s']:.1f} tok/s (decode, incl. compile), prefill {s['prefill_s']:.2f}s", file=sys.stderr)
+          f"{s['tokens_per_s']:.1f} tok/s decode, prefill {s['prefill_s']:.2f}s, step compile {s['compile_s']:.2f}s",
+          file=sys.stderr)
     return 0
 
 
