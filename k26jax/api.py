@@ -90,11 +90,11 @@ def load(path, *, drafter=None, mesh: Mesh | None = None, dtype: str = "bfloat16
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
     impls = impls or ops.Impls.auto(mesh, expert_mode)
-    if any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors.index.json", "model.safetensors")):
+    if _is_hf_dir(path):
         from convert import hf_layout
         cfg = ModelConfig.from_hf_dir(path)
         params = place(hf_layout.read_hf_params(path, cfg, dtype=dtype), cfg, mesh, expert_mode)
-    else:
+    else:  # a converted checkpoint; restore refuses one without its COMPLETE marker
         from k26jax import checkpoint
         cfg, params = checkpoint.restore(path, mesh=mesh, expert_mode=expert_mode, dtype=dtype)
     model = Model(cfg, params, impls, mesh, path=path)
@@ -106,9 +106,17 @@ def load(path, *, drafter=None, mesh: Mesh | None = None, dtype: str = "bfloat16
     return model
 
 
+def _is_hf_dir(path: str) -> bool:
+    """HF safetensors (not a directory made by `python -m convert`, which is marked by its COMPLETE file)."""
+    from k26jax.checkpoint import COMPLETE_FILE
+    if os.path.exists(os.path.join(path, COMPLETE_FILE)):
+        return False
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors.index.json", "model.safetensors"))
+
+
 def _attach_drafter(model: Model, drafter_dir: str, dtype: str) -> None:
     from k26jax.model import drafter as drafter_lib
-    if os.path.isfile(os.path.join(drafter_dir, "config.json")):
+    if _is_hf_dir(drafter_dir):
         from convert import dflash_layout
         dcfg, dparams = dflash_layout.load_drafter_hf(drafter_dir)
     else:
