@@ -36,7 +36,7 @@ from convert import hf_layout
 from convert.hf_layout import HFCheckpoint
 from convert.zarr_tree import ZarrTree
 from k26jax import checkpoint, sharding
-from k26jax.checkpoint import COMPLETE_FILE, DRAFTER_DIR, FORMAT, MANIFEST_FILE, PARAMS_DIR
+from k26jax.checkpoint import COMPLETE_FILE, DRAFTER_DIR, FORMAT, MANIFEST_FILE, PARAMS_DIR, flatten_tree
 from k26jax.config import DrafterConfig, ModelConfig
 
 STAGING_SUFFIX = ".partial"
@@ -91,16 +91,6 @@ def _np_dtype(name: str) -> np.dtype:
 
 
 # ---- planning ----------------------------------------------------------------------------------------------
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
 def _chunks(shape, dtype, spec: PartitionSpec, mesh: AbstractMesh, stacked: bool) -> list[int]:
     """One device's shard, cut to one layer ([1, *shard]) for stacked leaves, else to <= TOP_CHUNK_BYTES rows."""
     spec = sharding.fit_spec(spec, tuple(shape), mesh)
@@ -116,7 +106,7 @@ def _chunks(shape, dtype, spec: PartitionSpec, mesh: AbstractMesh, stacked: bool
 
 
 def _leaves(shapes: dict, specs: dict, mesh: AbstractMesh, stacked: Callable[[str], bool]) -> dict[str, dict]:
-    shapes, specs = _flatten(shapes), _flatten(specs)
+    shapes, specs = flatten_tree(shapes), flatten_tree(specs)
     if set(shapes) != set(specs):
         raise RuntimeError(f"parameter tree and sharding specs differ: {sorted(set(shapes) ^ set(specs))}")
     return {name: {"shape": list(shape), "dtype": str(np.dtype(dtype)),
@@ -168,7 +158,7 @@ def _drafter_job(opts: Options, target: ModelConfig, mesh: AbstractMesh) -> _Job
     dtype = hf_layout.DTYPES[opts.dtype]
 
     def pieces():
-        params = _flatten(dflash_layout.read_drafter_params(opts.drafter_dir, dcfg))
+        params = flatten_tree(dflash_layout.read_drafter_params(opts.drafter_dir, dcfg))
         for name in leaves:
             yield tuple(name.split(".")), (), np.asarray(params.pop(name)).astype(dtype)
 

@@ -80,18 +80,19 @@ def _set(tree: dict, keys: list[str], value) -> None:
     tree[keys[-1]] = value
 
 
-def _flat_specs(tree: dict, prefix: str = "") -> dict:
+def flatten_tree(tree: dict, prefix: str = "") -> dict:
+    """Nested dict -> {"a.b.c": leaf} (the names the manifest and the converter use)."""
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(_flat_specs(value, f"{prefix}{key}."))
+            out.update(flatten_tree(value, f"{prefix}{key}."))
         else:
             out[prefix + key] = value
     return out
 
 
 def _shardings(manifest: dict, specs: dict, mesh: Mesh | None) -> dict:
-    specs = _flat_specs(specs)
+    specs = flatten_tree(specs)
     missing = sorted(set(manifest["leaves"]) ^ set(specs))
     if missing:
         raise ValueError(f"checkpoint leaves and the parameter tree differ: {missing[:8]}")
