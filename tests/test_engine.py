@@ -174,3 +174,14 @@ def test_bad_input(model):
         generate(model, [[1, 5000]], max_new_tokens=4)
     with pytest.raises(ConfigError, match="hidden_size"):
         tiny_drafter_cfg().check_target(preset("tiny").replace(hidden_size=512))
+
+
+@pytest.mark.parametrize("method", ["ddtree", "ar"])
+def test_step_is_one_program_without_host_callbacks(model, method):
+    sc = engine.StepConfig(method=method, budget=8, max_new_tokens=8, block_size=L + 1)
+    kw = dict(cfg=model.cfg, dcfg=model.drafter_cfg if method != "ar" else None, sc=sc, impls=IMPLS)
+    ids = np.array([[1, 2, 3, 0]], np.int32)
+    state = engine.prefill(model.params, model.drafter_params, ids, np.array([3], np.int32), jax.random.key(0),
+                           max_len=64, **kw)
+    jaxpr = str(jax.make_jaxpr(functools.partial(engine.step, **kw))(model.params, model.drafter_params, state))
+    assert "callback" not in jaxpr and "pure_callback" not in jaxpr
