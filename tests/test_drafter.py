@@ -16,7 +16,6 @@ from safetensors.numpy import save_file
 from convert.dflash_layout import hf_tensor_shapes, load_drafter_hf, save_drafter_hf
 from k26jax.config import ConfigError, DrafterConfig, build_target_layer_ids
 from k26jax.model import drafter as D
-from k26jax.model.layers import rms_norm
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "dflash")
 DRAFTER_DIR = os.path.join(FIXTURES, "drafter")
