@@ -185,3 +185,18 @@ def test_step_is_one_program_without_host_callbacks(model, method):
                            max_len=64, **kw)
     jaxpr = str(jax.make_jaxpr(functools.partial(engine.step, **kw))(model.params, model.drafter_params, state))
     assert "callback" not in jaxpr and "pure_callback" not in jaxpr
+
+
+def test_eos_stops_each_sequence_at_its_first_eos(model, ar):
+    tokens = ar[0]
+    eos = next(t for i, t in enumerate(tokens[0]) if i >= 5 and t not in tokens[0][:i])
+    m = api.Model(model.cfg.replace(eos_token_ids=(eos,)), model.params, IMPLS, drafter_cfg=model.drafter_cfg,
+                  drafter_params=model.drafter_params)
+    res = generate(m, PROMPTS, max_new_tokens=NEW, method="ddtree", budget=8,
+                   propose=oracle(trajectories(tokens), noise=0.2))
+    for got, want, safe in zip(res.tokens, tokens, ar[1]):
+        stop = want.index(eos) + 1 if eos in want else len(want)
+        n = min(stop, safe)                                  # compare only up to the first near-tie
+        assert got[:n] == want[:n]
+        if safe >= stop:
+            assert len(got) == stop
