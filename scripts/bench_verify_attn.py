@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k26jax import ddtree
 from pallas_kernels.tree_mla_attention import tree_mla_attention, tree_mla_attention_reference
 
 R, P = 512, 64
@@ -35,13 +36,8 @@ NAIVE_MAX_SCORE_BYTES = 24 << 30
 
 def random_tree_visibility(rng, C, T):
   """[C, T, T] ancestor-or-self relation of random trees with parents[i] < i (node 0 is the root)."""
-  vis = np.zeros((C, T, T), bool)
-  for c in range(C):
-    for i in range(T):
-      vis[c, i, i] = True
-      if i:
-        vis[c, i] |= vis[c, rng.integers(0, i)]
-  return vis
+  parents = [[-1] + [int(rng.integers(0, i)) for i in range(1, T)] for _ in range(C)]
+  return np.stack([ddtree.visibility_from_parents(p) for p in parents])
 
 
 def make_input_sets(C, S, T, H, num_sets, seed=0, prefix_len=None):

@@ -9,6 +9,7 @@ import pytest
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, Mesh, use_abstract_mesh
 
+from k26jax import ddtree
 from pallas_kernels.tree_mla_attention import (tree_mla_attention, tree_mla_attention_reference,
                                                tree_mla_attention_sharded)
 
@@ -19,14 +20,9 @@ SCALE = 0.2
 
 
 def tree_visibility(rng, C, T):
-  """[C, T, T] ancestor-or-self relation of random trees with parents[i] < i."""
-  vis = np.zeros((C, T, T), bool)
-  for c in range(C):
-    for i in range(T):
-      vis[c, i, i] = True
-      if i:
-        vis[c, i] |= vis[c, rng.integers(0, i)]
-  return vis
+  """[C, T, T] ancestor-or-self relation of random trees with parents[i] < i (node 0 is the root)."""
+  parents = [[-1] + [int(rng.integers(0, i)) for i in range(1, T)] for _ in range(C)]
+  return np.stack([ddtree.visibility_from_parents(p) for p in parents])
 
 
 def make_inputs(seed, T, H, *, R=R, P=P, prefix_lens=PREFIX_LENS, S=S_MAX, dtype=jnp.float32):
