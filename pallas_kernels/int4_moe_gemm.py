@@ -149,6 +149,8 @@ class Tiling:
         otherwise pairs are sorted by expert and each expert's group is padded to `block_m` rows.
     split_k_down: the down GEMM's K (I) is split over this many programs, partials summed in the combine.
     dequant: "f32" (float32 bit tricks, any dtype, runs in interpret mode) or "asm" (PTX bf16x2, GPU + bf16).
+    n_fastest: launch order puts the N tiles of one row block next to each other, so programs running
+        together stream neighbouring columns of one expert; otherwise the row blocks vary fastest.
     """
     block_m: int = 16
     block_n_gate_up: int = 64
@@ -160,6 +162,7 @@ class Tiling:
     num_warps: int = 4
     num_stages: int = 3
     dequant: str = "f32"
+    n_fastest: bool = False
 
 
 def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
@@ -238,6 +241,17 @@ def _block_pairs(block, route_refs, *, per_pair, block_m):
     return block_expert_ref[block], slot_pair_ref[pl.ds(block * block_m, block_m)]
 
 
+def _group_rows(step, block_kw):
+    """Scale rows of K step `step`: one per 4 packed rows, loaded once and repeated in registers."""
+    return pl.ds(step * (block_kw // _WORDS_PER_GROUP), block_kw // _WORDS_PER_GROUP)
+
+
+def _repeat_rows(scale):
+    """[kw/4, n] -> [kw, n], each scale row repeated for its 4 packed rows."""
+    groups, n = scale.shape
+    return jnp.broadcast_to(scale[:, None, :], (groups, _WORDS_PER_GROUP, n)).reshape(groups * _WORDS_PER_GROUP, n)
+
+
 def _scale_for(scale, dequant):
     """Scale tile in the form _dequantize_nibble takes: bf16 for the PTX path, f32 for the f32 path."""
     return scale if dequant == "asm" else scale.astype(jnp.float32)
@@ -272,14 +286,21 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
 
 
-def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block_kw, dequant):
+def _grid(num_blocks, num_n_tiles, n_fastest, *rest):
+    """Grid and the (row block, N tile) ids of the running program for the launch order `n_fastest` picks."""
+    if n_fastest:
+        return (num_n_tiles, num_blocks, *rest), lambda: (pl.program_id(1), pl.program_id(0))
+    return (num_blocks, num_n_tiles, *rest), lambda: (pl.program_id(0), pl.program_id(1))
+
+
+def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block_kw, dequant, program_ids):
     """Program (row block b, I tile n): h[rows of b, cols of n] = silu(x @ gate) * up, fp32 accumulation.
 
     refs: route refs, x [M, D] nibble-major, w13_packed [E, D/8, 2, I], w13_scale [E, D/32, 2, I]
     -> h [rows, I] nibble-major (see `to_nibble_major`), so each nibble's weight tile meets contiguous inputs.
     """
     *route_refs, x_ref, w_ref, s_ref, h_ref = refs
-    b, n = pl.program_id(0), pl.program_id(1)
+    b, n = program_ids()
     expert, pair = _block_pairs(b, route_refs, per_pair=per_pair, block_m=block_m)
 
     @pl.when((expert >= 0) & (expert < num_experts))
@@ -292,10 +313,10 @@ def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block
             acc_gate, acc_up = accs
             words = step * block_kw + jnp.arange(block_kw)
             rows = pl.ds(step * block_kw, block_kw)
-            scale_rows = words // _WORDS_PER_GROUP
+            groups = _group_rows(step, block_kw)
             gate_packed, up_packed = w_ref[expert, rows, 0, cols], w_ref[expert, rows, 1, cols]
-            gate_scale = _scale_for(s_ref[expert, scale_rows, 0, cols], dequant)
-            up_scale = _scale_for(s_ref[expert, scale_rows, 1, cols], dequant)
+            gate_scale = _scale_for(_repeat_rows(s_ref[expert, groups, 0, cols]), dequant)
+            up_scale = _scale_for(_repeat_rows(s_ref[expert, groups, 1, cols]), dequant)
             for k in range(PACK):  # one nibble's tiles live at a time
                 x_k = plgpu.load(x_ref.at[token[:, None], (k * x_ref.shape[1] // PACK + words)[None, :]],
                                  mask=row_ok[:, None], other=0)
@@ -312,14 +333,14 @@ def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block
         plgpu.store(h_ref.at[slots[:, None], h_cols[None, :]], h.astype(h_ref.dtype), mask=row_ok[:, None])
 
 
-def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps_per_split, dequant):
+def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps_per_split, dequant, program_ids):
     """Program (row block b, D tile n, K split s): y[s, pairs of b, cols of n] = weight * (h @ down), fp32.
 
     refs: route refs, topk_weights [P] f32, h [rows, I] nibble-major, w2_packed [E, I/8, D], w2_scale [E, I/32, D]
     -> y_pairs [S, P + block_m, D] f32 (rows of pairs off this shard and the spare rows stay unwritten).
     """
     *route_refs, weight_ref, h_ref, w_ref, s_ref, y_ref = refs
-    b, n, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    (b, n), split = program_ids(), pl.program_id(2)
     expert, pair = _block_pairs(b, route_refs, per_pair=per_pair, block_m=block_m)
 
     @pl.when((expert >= 0) & (expert < num_experts))
@@ -331,7 +352,7 @@ def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps
         def k_step(step, acc):
             words = step * block_kw + jnp.arange(block_kw)
             packed = w_ref[expert, pl.ds(step * block_kw, block_kw), cols]
-            scale = _scale_for(s_ref[expert, words // _WORDS_PER_GROUP, cols], dequant)
+            scale = _scale_for(_repeat_rows(s_ref[expert, _group_rows(step, block_kw), cols]), dequant)
             for k in range(PACK):
                 h_k = plgpu.load(h_ref.at[slots[:, None], (k * h_ref.shape[1] // PACK + words)[None, :]],
                                  mask=row_ok[:, None], other=0)
@@ -395,20 +416,22 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
     common = dict(per_pair=tiling.per_pair, num_experts=w13_packed.shape[0], block_m=bm, dequant=tiling.dequant)
     params = plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
 
+    grid, program_ids = _grid(num_blocks, i // tiling.block_n_gate_up, tiling.n_fastest)
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, top_k=top_k, block_n=tiling.block_n_gate_up,
-                          block_kw=tiling.block_kw_gate_up, **common),
+                          block_kw=tiling.block_kw_gate_up, program_ids=program_ids, **common),
         out_shape=jax.ShapeDtypeStruct((num_blocks * bm, i), x.dtype),
-        grid=(num_blocks, i // tiling.block_n_gate_up),
+        grid=grid,
         compiler_params=params, interpret=interpret, name="moe_gate_up",
     )(*route, to_nibble_major(x), w13_packed, w13_scale)
 
     steps = i // PACK // tiling.block_kw_down
+    grid, program_ids = _grid(num_blocks, d // tiling.block_n_down, tiling.n_fastest, tiling.split_k_down)
     y_pairs = pl.pallas_call(
         functools.partial(_down_kernel, block_n=tiling.block_n_down, block_kw=tiling.block_kw_down,
-                          steps_per_split=steps // tiling.split_k_down, **common),
+                          steps_per_split=steps // tiling.split_k_down, program_ids=program_ids, **common),
         out_shape=jax.ShapeDtypeStruct((tiling.split_k_down, num_pairs + bm, d), jnp.float32),
-        grid=(num_blocks, d // tiling.block_n_down, tiling.split_k_down),
+        grid=grid,
         compiler_params=params, interpret=interpret, name="moe_down",
     )(*route, topk_weights.reshape(-1).astype(jnp.float32), h, w2_packed, w2_scale)
 

@@ -203,6 +203,21 @@ def _pow2_at_least(n):
   return 1 << max(0, (n - 1).bit_length())
 
 
+_SPLIT_OVERHEAD_BLOCKS = 4  # a program's fixed cost (queries in, partial out), in key blocks
+
+
+def choose_num_splits(num_programs, num_key_blocks, resident_programs):
+  """Prefix splits per (sequence, m block) minimising waves x per-program work.
+
+  num_programs: C * m blocks (programs per split); num_key_blocks: S_max / block_k; resident_programs:
+  programs the GPU runs at once (one wave). A split count that leaves a last, mostly idle wave costs a
+  whole wave, so 17 splits of 8 sequences (136 programs on 132 SMs) lose to 16."""
+  def cost(splits):
+    waves = pl.cdiv(num_programs * splits, resident_programs)
+    return waves * (pl.cdiv(num_key_blocks, splits) + _SPLIT_OVERHEAD_BLOCKS), splits
+  return min(range(1, max(1, pl.cdiv(num_key_blocks, 4)) + 1), key=cost)
+
+
 @functools.partial(jax.jit, static_argnames=["scale", "block_m", "block_k", "block_r", "num_splits", "num_warps",
                                              "num_stages", "interpret"])
 def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, block_m: int = 64,
@@ -212,8 +227,8 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
 
   Knobs: block_m query rows (tree token x head) per tile, clamped to T*H (at least 16); block_k
   prefix keys per step; block_r width of the latent chunks (default 256 for 64-row tiles, else R);
-  num_splits prefix ranges per sequence (default: about one wave of programs for 64-row tiles, two for
-  16-row tiles); num_warps (default 8 for block_m >= 64, else 4) and num_stages for Triton.
+  num_splits prefix ranges per sequence (default: `choose_num_splits`, with one program per SM resident
+  for 64-row tiles and two for 16-row tiles); num_warps (default 8 for block_m >= 64, else 4) and num_stages for Triton.
   Defaults are the H200 tuning winners (bench/verify_attn.md): block_k 64, 2 stages, latent in 256-wide
   chunks for 64-row tiles (verify 42.5% of floor vs 34.9% for block_k 32 / 3 stages / whole latent), and
   whole latent with ~2 waves of splits for 16-row tiles (decode at 8 heads: 71.9% vs 58.6% at one wave).
@@ -227,8 +242,8 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
       raise ValueError(f"{name} must be a power of two >= 16, got {n}")
   num_m_blocks = pl.cdiv(M, block_m)
   if num_splits is None:
-    waves = 1 if block_m >= 64 else 2
-    num_splits = max(1, min(pl.cdiv(waves * _NUM_SMS, C * num_m_blocks), pl.cdiv(S_max, 4 * block_k)))
+    resident = _NUM_SMS * (1 if block_m >= 64 else 2)  # 64-row tiles fill an SM's shared memory
+    num_splits = choose_num_splits(C * num_m_blocks, pl.cdiv(S_max, block_k), resident)
   if num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
   params = plgpu.CompilerParams(num_warps=num_warps or (8 if block_m >= 64 else 4), num_stages=num_stages)

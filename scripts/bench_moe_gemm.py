@@ -35,36 +35,34 @@ K26 = dict(num_experts=384, top_k=8, d=7168, i=2048)
 QUICK = dict(num_experts=16, top_k=4, d=256, i=256)
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 T = moe.Tiling
-TILINGS = {  # named candidates; all use the PTX bf16x2 dequant unless the name says f32
+TILINGS = {  # named candidates; all use the PTX bf16x2 dequant; "_nf" = N tiles fastest in launch order
     "pair_n64": T(per_pair=True, block_n_gate_up=64, block_n_down=128, dequant="asm"),
-    "pair_n128": T(per_pair=True, block_n_gate_up=128, block_n_down=256, num_warps=8, dequant="asm"),
-    "pair_n64_kw64": T(per_pair=True, block_n_gate_up=64, block_n_down=128, block_kw_gate_up=64,
-                       block_kw_down=64, num_stages=2, dequant="asm"),
-    "pair_n64_s4": T(per_pair=True, block_n_gate_up=64, block_n_down=128, num_stages=4, dequant="asm"),
-    "pair_n64_sk2": T(per_pair=True, block_n_gate_up=64, block_n_down=128, split_k_down=2, dequant="asm"),
+    "pair_n64_nf": T(per_pair=True, block_n_gate_up=64, block_n_down=128, n_fastest=True, dequant="asm"),
+    "pair_n64_w8": T(per_pair=True, block_n_gate_up=64, block_n_down=128, num_warps=8, dequant="asm"),
     "m16_n64": T(block_m=16, dequant="asm"),
-    "m16_n64_f32": T(block_m=16, dequant="f32"),
-    "m16_n64_s4": T(block_m=16, num_stages=4, dequant="asm"),
-    "m16_n128_w8": T(block_m=16, block_n_gate_up=128, block_n_down=256, num_warps=8, dequant="asm"),
+    "m16_n64_nf": T(block_m=16, n_fastest=True, dequant="asm"),
+    "m16_n64_w8": T(block_m=16, num_warps=8, dequant="asm"),
+    "m16_n64_w8_nf": T(block_m=16, num_warps=8, n_fastest=True, dequant="asm"),
     "m32_n64": T(block_m=32, dequant="asm"),
+    "m32_n64_nf": T(block_m=32, n_fastest=True, dequant="asm"),
+    "m32_n64_w8_nf": T(block_m=32, num_warps=8, n_fastest=True, dequant="asm"),
     "m32_n128_w8": T(block_m=32, block_n_gate_up=128, block_n_down=256, num_warps=8, dequant="asm"),
-    "m64_n128_w8": T(block_m=64, block_n_gate_up=128, block_n_down=128, block_kw_gate_up=16, block_kw_down=16,
-                     num_warps=8, num_stages=2, dequant="asm"),
-    "m64_n64_w4": T(block_m=64, block_n_gate_up=64, block_n_down=64, num_stages=2, dequant="asm"),
+    "m32_n128_w8_nf": T(block_m=32, block_n_gate_up=128, block_n_down=256, num_warps=8, n_fastest=True,
+                        dequant="asm"),
 }
 CANDIDATES = {  # raced per M (the wrapper's choose_tiling is set from these results)
-    1: ("pair_n64", "pair_n128", "pair_n64_kw64", "pair_n64_s4", "pair_n64_sk2"),
-    2: ("pair_n64", "pair_n128"),
-    4: ("pair_n64", "pair_n128", "pair_n64_sk2", "m16_n64"),
-    8: ("pair_n64", "m16_n64", "m16_n128_w8"),
-    16: ("m16_n64", "m16_n64_f32", "m16_n64_s4", "m16_n128_w8"),
-    32: ("m16_n64", "m16_n128_w8"),
-    64: ("m16_n64", "m16_n128_w8"),
-    128: ("m16_n64", "m32_n64", "m16_n128_w8"),
-    256: ("m16_n64", "m32_n64", "m16_n128_w8"),
-    512: ("m16_n64", "m32_n64", "m32_n128_w8"),
-    1024: ("m16_n64", "m32_n64", "m32_n128_w8"),
-    4096: ("m32_n128_w8", "m64_n128_w8", "m64_n64_w4"),
+    1: ("pair_n64", "pair_n64_nf", "pair_n64_w8"),
+    2: ("pair_n64", "pair_n64_nf"),
+    4: ("pair_n64", "pair_n64_nf", "m16_n64_nf"),
+    8: ("pair_n64_nf", "m16_n64", "m16_n64_nf", "m16_n64_w8_nf"),
+    16: ("m16_n64", "m16_n64_nf", "m16_n64_w8", "m16_n64_w8_nf"),
+    32: ("m16_n64", "m16_n64_nf", "m16_n64_w8_nf"),
+    64: ("m16_n64", "m16_n64_nf", "m16_n64_w8_nf"),
+    128: ("m16_n64", "m16_n64_nf", "m32_n64_nf", "m16_n64_w8_nf"),
+    256: ("m16_n64", "m16_n64_nf", "m32_n64_nf", "m16_n64_w8_nf"),
+    512: ("m16_n64", "m16_n64_nf", "m32_n64", "m32_n64_nf", "m32_n64_w8_nf"),
+    1024: ("m32_n64", "m32_n64_nf", "m16_n64_nf", "m32_n64_w8_nf", "m32_n128_w8_nf"),
+    4096: ("m32_n128_w8", "m32_n128_w8_nf"),
 }
 BASELINE_MS = (1, 16, 128, 1024)
 RAGGED_MS = (1, 16, 128)  # XLA lowers ragged_dot densely here (all experts): larger M runs out of memory
