@@ -166,16 +166,16 @@ class Tiling:
 
 
 def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
-    """The wrapper's default tiling for M = num_tokens: the fastest candidate of the H200 race in
+    """The wrapper's default tiling for M = num_tokens: the fastest candidate of the H200 races in
     bench/moe_gemm.md at K2.6 shapes (384 experts, top-8) for M = 1..1024 and 4096."""
     dequant = "asm" if (jnp.dtype(dtype) == jnp.bfloat16 and not interpret) else "f32"
     if num_tokens * top_k <= 32:  # decode (M <= 4): one pair per block, no sort
         return Tiling(per_pair=True, block_n_gate_up=64, block_n_down=128, dequant=dequant)
     if num_tokens <= 512:  # up to ~11 rows an expert: 16-row blocks
-        return Tiling(block_m=16, block_n_gate_up=64, block_n_down=128, dequant=dequant)
+        return Tiling(block_m=16, block_n_gate_up=64, block_n_down=128, n_fastest=True, dequant=dequant)
     if num_tokens <= 2048:  # ~21 rows an expert at M = 1024
-        return Tiling(block_m=32, block_n_gate_up=64, block_n_down=128, dequant=dequant)
-    return Tiling(block_m=32, block_n_gate_up=128, block_n_down=256, num_warps=8, dequant=dequant)
+        return Tiling(block_m=32, block_n_gate_up=64, block_n_down=128, n_fastest=True, dequant=dequant)
+    return Tiling(block_m=32, block_n_gate_up=128, block_n_down=256, num_warps=8, n_fastest=True, dequant=dequant)
 
 
 def _fit_block(block, dim, minimum, name):

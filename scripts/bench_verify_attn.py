@@ -179,7 +179,9 @@ NARROW = {  # H = 8, T = 1: block_m = 16, 4 warps
     "k64_r128_s3": dict(block_m=16, block_k=64, block_r=128, num_stages=3, num_warps=4),
 }
 TUNE = {"verify": ((8, 32768, 65, 64), WIDE),  # decode also races the old split rule (17 at C = 8)
-        "decode": ((8, 32768, 1, 64), {**WIDE, "k64_r256_sp17": dict(WIDE["k64_r256"], num_splits=17)}),
+        "decode": ((8, 32768, 1, 64), {**WIDE, "k64_r256_sp17": dict(WIDE["k64_r256"], num_splits=17),
+                                       "m16_k64_r512": NARROW["k64_r512"],
+                                       "m32_k64_r512": dict(NARROW["k64_r512"], block_m=32)}),
         "decode_tp8": ((8, 32768, 1, 8), NARROW)}
 
 
