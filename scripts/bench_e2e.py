@@ -904,9 +904,12 @@ def table(record) -> str:
 
 
 def _commit() -> str:
+    """HEAD, marked "+uncommitted" when tracked files differ from it (as on a device copy of a working tree)."""
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
+                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+        return (git("rev-parse", "--short", "HEAD") or "unknown") + (
+            "+uncommitted" if git("status", "--porcelain", "--untracked-files=no") else "")
     except OSError:
         return "unknown"
 

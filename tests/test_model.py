@@ -247,3 +247,13 @@ def test_token_ids_out_of_range_are_refused(tiny):
         model.logits(np.array([[1, cfg.vocab_size]]))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model.logits(np.array([[-1, 2]]))
+
+
+def test_only_multi_layer_segments_scan(tiny):
+    """A one-layer segment (K2.6's single dense layer) runs unscanned: a scan of one would copy the layer's
+    weights out of their stack with a dynamic slice every step."""
+    cfg, params = tiny
+    assert [count for _, _, count, _ in target.segments(cfg)] == [1, 3]
+    ids = jnp.zeros((1, 4), jnp.int32)
+    hlo = prefill.trace(params, ids, jnp.array([4]), cfg).lower().as_text()
+    assert hlo.count("stablehlo.while") == 2  # the 3-layer MoE segment and the reference MoE's expert scan

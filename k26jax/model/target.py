@@ -172,7 +172,11 @@ def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden
             feats = jnp.where((wanted == xs["layer"])[:, None, None, None], h[None], feats)
             return (h, feats), rows
 
-        (x_BTD, feats), rows = jax.lax.scan(body, (x_BTD, feats), xs)
+        if count == 1:  # static index: a one-layer scan would copy the layer's weights out with a dynamic slice
+            (x_BTD, feats), rows = body((x_BTD, feats), jax.tree.map(lambda a: a[0], xs))
+            rows = rows[None]
+        else:
+            (x_BTD, feats), rows = jax.lax.scan(body, (x_BTD, feats), xs)
         all_rows.append(rows)
     return x_BTD, jnp.concatenate(all_rows, axis=0), feats
 
