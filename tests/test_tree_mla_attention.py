@@ -10,7 +10,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, Mesh, use_abstract_mesh
 
 from k26jax import ddtree
-from pallas_kernels.tree_mla_attention import (tree_mla_attention, tree_mla_attention_reference,
+from pallas_kernels.tree_mla_attention import (choose_num_splits, tree_mla_attention, tree_mla_attention_reference,
                                                tree_mla_attention_sharded)
 
 R, P = 64, 16  # the tiny model's latent / rope widths
@@ -159,3 +159,19 @@ def test_lowers_for_cuda(T, H, R_, P_, knobs):
     hlo = jax.jit(functools.partial(tree_mla_attention, scale=SCALE, **knobs)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
   assert hlo.count(plgpu.CUSTOM_CALL_TARGET_NAME) == 2  # prefix and tail kernels
+
+
+@pytest.mark.parametrize("programs,key_blocks,resident,want", [
+    (8, 512, 132, 16),    # C=8 decode at 32K: 128 programs; 17 splits (136) would add a 4-program wave
+    (16, 512, 132, 8),
+    (1, 512, 132, 128),
+    (520, 512, 132, 1),   # C=8 verify, 65 m blocks: already four waves
+    (65, 512, 132, 2),    # C=1 verify: 130 programs, not 3 splits (195: two waves)
+    (1, 2, 132, 1),       # a short cache is not split below 4 key blocks a split
+])
+def test_choose_num_splits_avoids_a_mostly_idle_wave(programs, key_blocks, resident, want):
+    splits = choose_num_splits(programs, key_blocks, resident)
+    assert splits == want
+    waves = -(-programs * splits // resident)
+    assert programs * splits > (waves - 1) * resident + resident // 2 or waves == 1
+
