@@ -12,6 +12,8 @@ The Triton in the pip wheel is not the one jaxlib bundles, so the figures are a 
 """
 import argparse
 import collections
+import dataclasses
+import os
 import pathlib
 import re
 import sys
@@ -20,8 +22,7 @@ import sys
 def dump(args):
     import warnings
     import jax
-    import jax.numpy as jnp
-    from jax._src.pallas.triton import lowering, pallas_call_registration
+    from jax._src.pallas.triton import lowering
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -36,11 +37,14 @@ def dump(args):
         return result
 
     fn, operands, compiler_params = KERNELS[args.kernel](args)
-    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
+    lowering.lower_jaxpr_to_triton_module = capture
     h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
-    with use_abstract_mesh(h200):
-        jax.jit(fn).trace(*operands).lower(lowering_platforms=("cuda",))
+    try:
+        with use_abstract_mesh(h200):
+            jax.jit(fn).trace(*operands).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
     for (name, asm), (warps, stages) in zip(modules, compiler_params):
         path = out_dir / f"{args.kernel}_{name}.w{warps}.s{stages}.ttir"
         path.write_text(asm)
@@ -56,7 +60,7 @@ def moe_case(args):
     knobs = dict(args.knob)
     m = int(knobs.pop("m", 16))
     tiling = moe.choose_tiling(m, k)
-    tiling = moe.fit_tiling(moe.dataclasses.replace(tiling, **{
+    tiling = moe.fit_tiling(dataclasses.replace(tiling, **{
         key: (value if key == "dequant" else int(value)) for key, value in knobs.items()}), d, i)
     print(tiling, file=sys.stderr)
     s = jax.ShapeDtypeStruct
@@ -87,6 +91,8 @@ KERNELS = {"moe": moe_case, "attention": attention_case}
 
 
 def compile_files(args):
+    os.environ.setdefault("TRITON_ALWAYS_COMPILE", "1")  # the cache would hide a changed pass pipeline
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
     import subprocess
     import triton
     from triton.backends.compiler import GPUTarget
