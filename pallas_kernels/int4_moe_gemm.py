@@ -116,21 +116,16 @@ def fused_moe_reference(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_pac
 
 _WORDS_PER_GROUP = GROUP // PACK  # 4 packed rows share one scale row
 _F32_TWO_POW_23 = 0x4B000000  # bits of float32 2**23; OR-ing a nibble u into the mantissa gives 2**23 + u
-_Q_OFFSET = 8  # offset-binary nibbles: q = u - 8
 
 
-def _dequant_asm(k, offset_sums):
+def _dequant_asm(k):
     """PTX for nibble k of two words ($1, $2) with their bf16 scales packed in $3 -> bf16x2 weights in $0.
 
     prmt gathers the 16-bit halves holding nibble k of both words, lop3 makes each half the bf16 128 + u
-    (exponent 2**7, mantissa u). Exact form: (128 + u) - 136 = q is exact, and an fma rounds q * scale once.
-    offset_sums form: $4 holds -128 * scale (exact), so one fma rounds (128 + u) * scale - 128 * scale = u * scale
-    once; the -8 * scale part is added back per group by `_offset_correction`.
+    (exponent 2**7, mantissa u), (128 + u) - 136 = q is exact, and the last fma rounds q * scale once.
     """
     halves = "0x5410" if k < 4 else "0x7632"
     shift = f"shr.u32 t, t, {4 * (k % 4)};" if k % 4 else ""
-    scale = ("fma.rn.bf16x2 $0, t, $3, $4;" if offset_sums else
-             "fma.rn.bf16x2 t, t, one, neg136;\nfma.rn.bf16x2 $0, t, $3, negzero;")
     return f"""{{
 .reg .b32 t, lowbits, magic, one, neg136, negzero;
 mov.b32 lowbits, 0x000F000F;
@@ -141,7 +136,8 @@ mov.b32 negzero, 0x80008000;
 prmt.b32 t, $1, $2, {halves};
 {shift}
 lop3.b32 t, t, lowbits, magic, 0xEA;
-{scale}
+fma.rn.bf16x2 t, t, one, neg136;
+fma.rn.bf16x2 $0, t, $3, negzero;
 }}"""
 
 
@@ -155,10 +151,6 @@ class Tiling:
     dequant: "f32" (float32 bit tricks, any dtype, runs in interpret mode) or "asm" (PTX bf16x2, GPU + bf16).
     n_fastest: launch order puts the N tiles of one row block next to each other, so programs running
         together stream neighbouring columns of one expert; otherwise the row blocks vary fastest.
-    offset_sums: dequantize u * scale (u = q + 8 in [0, 15], one fma a weight pair instead of two) and subtract
-        8 * sum_g scale[g] * (inputs summed over group g) once per program (`_offset_correction`, one bf16 dot
-        on hi + lo parts of the fp32 group sums). The weights are then rounded as bf16(u * scale), not
-        compressed-tensors' bf16(q * scale); needs D/32 and I/32 (per split) divisible by 8 and N tiles >= 32.
     """
     block_m: int = 16
     block_n_gate_up: int = 64
@@ -171,7 +163,6 @@ class Tiling:
     num_stages: int = 3
     dequant: str = "f32"
     n_fastest: bool = False
-    offset_sums: bool = False
 
 
 def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
@@ -196,29 +187,16 @@ def _fit_block(block, dim, minimum, name):
     return block
 
 
-def _group_chunk(num_groups):
-    """Scale groups per step of `_offset_correction`: the largest power of two <= 32 dividing num_groups,
-    0 if below 8 (the hi + lo dot needs K = 2 * chunk >= 16)."""
-    chunk = 32
-    while chunk >= 8 and num_groups % chunk:
-        chunk //= 2
-    return chunk if chunk >= 8 else 0
-
-
 def fit_tiling(tiling, d, i):
-    """Shrinks N and K blocks to divisors of D and I (weights are never padded or copied); turns
-    `offset_sums` off where the group counts or N tiles do not allow it."""
+    """Shrinks N and K blocks to divisors of D and I (weights are never padded or copied)."""
     block_kw_down = _fit_block(tiling.block_kw_down, i // PACK, 16, "I/8 (packed intermediate rows)")
-    tiling = dataclasses.replace(
+    return dataclasses.replace(
         tiling,
         block_n_gate_up=_fit_block(tiling.block_n_gate_up, i, 16, "I (intermediate size)"),
         block_n_down=_fit_block(tiling.block_n_down, d, 16, "D (hidden size)"),
         block_kw_gate_up=_fit_block(tiling.block_kw_gate_up, d // PACK, 16, "D/8 (packed hidden rows)"),
         block_kw_down=block_kw_down,
         split_k_down=math.gcd(tiling.split_k_down, i // PACK // block_kw_down))
-    offset_ok = (_group_chunk(d // GROUP) and _group_chunk(i // GROUP // tiling.split_k_down)
-                 and tiling.block_n_gate_up >= GROUP)
-    return dataclasses.replace(tiling, offset_sums=tiling.offset_sums and bool(offset_ok))
 
 
 class Routing(NamedTuple):
@@ -274,65 +252,27 @@ def _repeat_rows(scale):
     return jnp.broadcast_to(scale[:, None, :], (groups, _WORDS_PER_GROUP, n)).reshape(groups * _WORDS_PER_GROUP, n)
 
 
-def _scale_for(scale, dequant, offset_sums):
-    """Scale tile [kw, n] -> the operands `_dequantize_nibble` takes: (bf16 scale,) for the PTX path, plus
-    -128 * scale (exact) with offset_sums; (f32 scale,) for the f32 path."""
-    if dequant != "asm":
-        return (scale.astype(jnp.float32),)
-    return (scale, scale * jnp.asarray(-128, scale.dtype)) if offset_sums else (scale,)
+def _scale_for(scale, dequant):
+    """Scale tile in the form _dequantize_nibble takes: bf16 for the PTX path, f32 for the f32 path."""
+    return scale if dequant == "asm" else scale.astype(jnp.float32)
 
 
-def _round_to_bf16_bits(v):
-    """float32 -> nearest bf16 value (ties to even), kept in float32, on the bits: interpret mode's XLA may
-    drop an f32 -> bf16 -> f32 round trip."""
-    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _dequantize_nibble(packed, scale_ops, k, dtype, dequant, offset_sums):
-    """packed [kw, n] int32, scale_ops from `_scale_for` (one row per word) -> [kw, n] weights of input rows
-    8 * word + k in `dtype`: bf16(q * scale), or bf16(u * scale) with u = q + 8 when offset_sums."""
+def _dequantize_nibble(packed, scale, k, dtype, dequant):
+    """packed [kw, n] int32, scale [kw, n] (bf16 for "asm", f32 for "f32"; one row per word) -> [kw, n]
+    bf16(q * scale) of nibble k in `dtype`, i.e. the weights of input rows 8 * word + k."""
     if dequant == "asm":  # one asm instance handles two words (pack=2)
         [w] = plgpu.elementwise_inline_asm(
-            _dequant_asm(k, offset_sums), args=[packed, *scale_ops], constraints="=r" + ",r" * (2 + len(scale_ops)),
-            pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])
+            _dequant_asm(k), args=[packed, scale], constraints="=r,r,r,r", pack=2,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])
         return w.astype(dtype)
-    (scale,) = scale_ops
     nibble_bits = ((packed >> (4 * k)) & 0xF) | _F32_TWO_POW_23
-    offset = float(2**23) if offset_sums else float(2**23 + _Q_OFFSET)
-    w = (jax.lax.bitcast_convert_type(nibble_bits, jnp.float32) - offset) * scale  # exact product
+    w = (jax.lax.bitcast_convert_type(nibble_bits, jnp.float32) - float(2**23 + 8)) * scale  # exact product
     if dtype == jnp.bfloat16:
         return w.astype(jnp.bfloat16)
-    return _round_to_bf16_bits(w).astype(dtype)
-
-
-def group_sums_hilo(a):
-    """[rows, K] -> [rows, 2 * K/32] in a.dtype: the fp32 sum of each group of 32 inputs as hi (rounded to
-    a.dtype) then lo (the rest), so a dot of both against the scales is as exact as an fp32 one."""
-    sums = a.astype(jnp.float32).reshape(a.shape[0], -1, GROUP).sum(axis=-1)
-    hi = round_to_bf16(sums) if a.dtype == jnp.bfloat16 else sums
-    return jnp.concatenate([hi, sums - hi], axis=-1).astype(a.dtype)
-
-
-def _offset_correction(sums_ref, rows, row_ok, load_scales, num_tiles, block_n, first_group, num_groups):
-    """-8 * sum over groups [first_group, first_group + num_groups) of sums[rows, g] * scale[g, :], fp32: the
-    -8 of q = u - 8, put back per group for weights dequantized as u * scale.
-
-    sums_ref [rows, 2G] from `group_sums_hilo` (hi | lo); load_scales(g [2c] int32) -> `num_tiles` scale tiles
-    [2c, block_n], one per accumulator. Returns num_tiles corrections [len(rows), block_n]."""
-    chunk = _group_chunk(num_groups)
-    total = sums_ref.shape[1] // 2
-    j = jnp.arange(2 * chunk)
-
-    def body(step, accs):
-        g = first_group + step * chunk + j % chunk
-        sums = plgpu.load(sums_ref.at[rows[:, None], jnp.where(j < chunk, g, total + g)[None, :]],
-                          mask=row_ok[:, None], other=0)
-        return tuple(acc + _dot(sums, scale.astype(sums.dtype)) for acc, scale in zip(accs, load_scales(g)))
-
-    zeros = (jnp.zeros((rows.shape[0], block_n), jnp.float32),) * num_tiles
-    return tuple(-_Q_OFFSET * acc for acc in jax.lax.fori_loop(0, num_groups // chunk, body, zeros))
+    # Round to bf16 on the bits: interpret mode's XLA may drop an f32 -> bf16 -> f32 round trip.
+    bits = jax.lax.bitcast_convert_type(w, jnp.int32)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
 
 
 def to_nibble_major(a):
@@ -353,18 +293,13 @@ def _grid(num_blocks, num_n_tiles, n_fastest, *rest):
     return (num_blocks, num_n_tiles, *rest), lambda: (pl.program_id(0), pl.program_id(1))
 
 
-def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block_kw, dequant, offset_sums,
-                    program_ids):
+def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block_kw, dequant, program_ids):
     """Program (row block b, I tile n): h[rows of b, cols of n] = silu(x @ gate) * up, fp32 accumulation.
 
-    refs: route refs, x [M, D] nibble-major, (x group sums [M, 2 D/32] with offset_sums), w13_packed
-    [E, D/8, 2, I], w13_scale [E, D/32, 2, I] -> h [rows, I] nibble-major (see `to_nibble_major`), so each
-    nibble's weight tile meets contiguous inputs, (and h's group sums [rows, 2 I/32] with offset_sums).
+    refs: route refs, x [M, D] nibble-major, w13_packed [E, D/8, 2, I], w13_scale [E, D/32, 2, I]
+    -> h [rows, I] nibble-major (see `to_nibble_major`), so each nibble's weight tile meets contiguous inputs.
     """
-    if offset_sums:
-        *route_refs, x_ref, x_sums_ref, w_ref, s_ref, h_ref, h_sums_ref = refs
-    else:
-        *route_refs, x_ref, w_ref, s_ref, h_ref = refs
+    *route_refs, x_ref, w_ref, s_ref, h_ref = refs
     b, n = program_ids()
     expert, pair = _block_pairs(b, route_refs, per_pair=per_pair, block_m=block_m)
 
@@ -380,50 +315,31 @@ def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block
             rows = pl.ds(step * block_kw, block_kw)
             groups = _group_rows(step, block_kw)
             gate_packed, up_packed = w_ref[expert, rows, 0, cols], w_ref[expert, rows, 1, cols]
-            gate_scale = _scale_for(_repeat_rows(s_ref[expert, groups, 0, cols]), dequant, offset_sums)
-            up_scale = _scale_for(_repeat_rows(s_ref[expert, groups, 1, cols]), dequant, offset_sums)
+            gate_scale = _scale_for(_repeat_rows(s_ref[expert, groups, 0, cols]), dequant)
+            up_scale = _scale_for(_repeat_rows(s_ref[expert, groups, 1, cols]), dequant)
             for k in range(PACK):  # one nibble's tiles live at a time
                 x_k = plgpu.load(x_ref.at[token[:, None], (k * x_ref.shape[1] // PACK + words)[None, :]],
                                  mask=row_ok[:, None], other=0)
-                dequantize = functools.partial(_dequantize_nibble, k=k, dtype=x_ref.dtype, dequant=dequant,
-                                               offset_sums=offset_sums)
-                acc_gate += _dot(x_k, dequantize(gate_packed, gate_scale))
-                acc_up += _dot(x_k, dequantize(up_packed, up_scale))
+                acc_gate += _dot(x_k, _dequantize_nibble(gate_packed, gate_scale, k, x_ref.dtype, dequant))
+                acc_up += _dot(x_k, _dequantize_nibble(up_packed, up_scale, k, x_ref.dtype, dequant))
             return acc_gate, acc_up
 
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
         acc_gate, acc_up = jax.lax.fori_loop(0, w_ref.shape[1] // block_kw, k_step, (zeros, zeros))
-        if offset_sums:
-            fix_gate, fix_up = _offset_correction(
-                x_sums_ref, token, row_ok, lambda g: (s_ref[expert, g, 0, cols], s_ref[expert, g, 1, cols]),
-                2, block_n, 0, x_sums_ref.shape[1] // 2)
-            acc_gate, acc_up = acc_gate + fix_gate, acc_up + fix_up
-        h = (acc_gate / (1.0 + jnp.exp(-acc_gate)) * acc_up).astype(h_ref.dtype)
+        h = acc_gate / (1.0 + jnp.exp(-acc_gate)) * acc_up
         h_cols = n * block_n + jnp.arange(block_n)  # column 8j + k goes to k * I/8 + j
         h_cols = h_cols % PACK * (h_ref.shape[1] // PACK) + h_cols // PACK
         slots = b * block_m + jnp.arange(block_m)
-        plgpu.store(h_ref.at[slots[:, None], h_cols[None, :]], h, mask=row_ok[:, None])
-        if offset_sums:  # group sums of the stored (rounded) h, for the down GEMM's correction
-            sums = h.astype(jnp.float32).reshape(block_m, block_n // GROUP, GROUP).sum(axis=-1)
-            hi = _round_to_bf16_bits(sums) if h.dtype == jnp.bfloat16 else sums
-            sum_cols = n * (block_n // GROUP) + jnp.arange(block_n // GROUP)
-            for part, cols_at in ((hi, sum_cols), (sums - hi, h_ref.shape[1] // GROUP + sum_cols)):
-                plgpu.store(h_sums_ref.at[slots[:, None], cols_at[None, :]], part.astype(h_sums_ref.dtype),
-                            mask=row_ok[:, None])
+        plgpu.store(h_ref.at[slots[:, None], h_cols[None, :]], h.astype(h_ref.dtype), mask=row_ok[:, None])
 
 
-def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps_per_split, dequant, offset_sums,
-                 program_ids):
+def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps_per_split, dequant, program_ids):
     """Program (row block b, D tile n, K split s): y[s, pairs of b, cols of n] = weight * (h @ down), fp32.
 
-    refs: route refs, topk_weights [P] f32, h [rows, I] nibble-major, (h group sums [rows, 2 I/32] with
-    offset_sums), w2_packed [E, I/8, D], w2_scale [E, I/32, D]
+    refs: route refs, topk_weights [P] f32, h [rows, I] nibble-major, w2_packed [E, I/8, D], w2_scale [E, I/32, D]
     -> y_pairs [S, P + block_m, D] f32 (rows of pairs off this shard and the spare rows stay unwritten).
     """
-    if offset_sums:
-        *route_refs, weight_ref, h_ref, h_sums_ref, w_ref, s_ref, y_ref = refs
-    else:
-        *route_refs, weight_ref, h_ref, w_ref, s_ref, y_ref = refs
+    *route_refs, weight_ref, h_ref, w_ref, s_ref, y_ref = refs
     (b, n), split = program_ids(), pl.program_id(2)
     expert, pair = _block_pairs(b, route_refs, per_pair=per_pair, block_m=block_m)
 
@@ -436,21 +352,16 @@ def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps
         def k_step(step, acc):
             words = step * block_kw + jnp.arange(block_kw)
             packed = w_ref[expert, pl.ds(step * block_kw, block_kw), cols]
-            scale = _scale_for(_repeat_rows(s_ref[expert, _group_rows(step, block_kw), cols]), dequant, offset_sums)
+            scale = _scale_for(_repeat_rows(s_ref[expert, _group_rows(step, block_kw), cols]), dequant)
             for k in range(PACK):
                 h_k = plgpu.load(h_ref.at[slots[:, None], (k * h_ref.shape[1] // PACK + words)[None, :]],
                                  mask=row_ok[:, None], other=0)
-                acc += _dot(h_k, _dequantize_nibble(packed, scale, k, h_ref.dtype, dequant, offset_sums))
+                acc += _dot(h_k, _dequantize_nibble(packed, scale, k, h_ref.dtype, dequant))
             return acc
 
         first = split * steps_per_split
         acc = jax.lax.fori_loop(first, first + steps_per_split, k_step,
                                 jnp.zeros((block_m, block_n), jnp.float32))
-        if offset_sums:
-            groups_per_step = block_kw // _WORDS_PER_GROUP
-            (fix,) = _offset_correction(h_sums_ref, slots, row_ok, lambda g: (s_ref[expert, g, cols],), 1, block_n,
-                                        first * groups_per_step, steps_per_split * groups_per_step)
-            acc += fix
         weight = plgpu.load(weight_ref.at[jnp.where(row_ok, pair, 0)], mask=row_ok, other=0.0)
         # Padding rows aim at distinct spare rows past the pairs: masked, so never written on the GPU, and
         # interpret mode's read-modify-write of a masked scatter cannot clobber a real row.
@@ -502,22 +413,17 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
         num_blocks = route.block_expert.shape[0]
     if layer is not None:  # rows of this layer in the flattened stack; off-shard/padding stays -1
         route = tuple(jnp.where((r >= 0) & (r < num_experts), r + stack_offset, -1) for r in route[:1]) + route[1:]
-    offset_sums = tiling.offset_sums
-    common = dict(per_pair=tiling.per_pair, num_experts=w13_packed.shape[0], block_m=bm, dequant=tiling.dequant,
-                  offset_sums=offset_sums)
+    common = dict(per_pair=tiling.per_pair, num_experts=w13_packed.shape[0], block_m=bm, dequant=tiling.dequant)
     params = plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
 
     grid, program_ids = _grid(num_blocks, i // tiling.block_n_gate_up, tiling.n_fastest)
-    h_shape = jax.ShapeDtypeStruct((num_blocks * bm, i), x.dtype)
-    x_sums = (group_sums_hilo(x),) if offset_sums else ()
-    h, *h_sums = pl.pallas_call(
+    h = pl.pallas_call(
         functools.partial(_gate_up_kernel, top_k=top_k, block_n=tiling.block_n_gate_up,
                           block_kw=tiling.block_kw_gate_up, program_ids=program_ids, **common),
-        out_shape=[h_shape] + ([jax.ShapeDtypeStruct((num_blocks * bm, 2 * i // GROUP), x.dtype)]
-                               if offset_sums else []),
+        out_shape=jax.ShapeDtypeStruct((num_blocks * bm, i), x.dtype),
         grid=grid,
         compiler_params=params, interpret=interpret, name="moe_gate_up",
-    )(*route, to_nibble_major(x), *x_sums, w13_packed, w13_scale)
+    )(*route, to_nibble_major(x), w13_packed, w13_scale)
 
     steps = i // PACK // tiling.block_kw_down
     grid, program_ids = _grid(num_blocks, d // tiling.block_n_down, tiling.n_fastest, tiling.split_k_down)
@@ -527,7 +433,7 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
         out_shape=jax.ShapeDtypeStruct((tiling.split_k_down, num_pairs + bm, d), jnp.float32),
         grid=grid,
         compiler_params=params, interpret=interpret, name="moe_down",
-    )(*route, topk_weights.reshape(-1).astype(jnp.float32), h, *h_sums, w2_packed, w2_scale)
+    )(*route, topk_weights.reshape(-1).astype(jnp.float32), h, w2_packed, w2_scale)
 
     on_shard = ((local_ids >= 0) & (local_ids < num_experts))[None, :, None]
     y = jnp.where(on_shard, y_pairs[:, :num_pairs], 0.0).sum(axis=0)

@@ -219,8 +219,7 @@ def test_every_default_tiling_lowers_for_cuda(num_tokens):
         assert _lower_for_cuda(num_tokens, tiling, dtype) == 2
 
 
-@pytest.mark.parametrize("variant", [dict(split_k_down=2), dict(n_fastest=True), dict(n_fastest=False),
-                                     dict(offset_sums=True)])
+@pytest.mark.parametrize("variant", [dict(split_k_down=2), dict(n_fastest=True), dict(n_fastest=False)])
 def test_tiling_variants_lower_for_cuda(variant):
     tiling = dataclasses.replace(moe.choose_tiling(64, 8), **variant)
     assert _lower_for_cuda(64, tiling) == 2
@@ -255,38 +254,3 @@ def test_stacked_form_lowers_for_cuda():
             lowering_platforms=("cuda",)).as_text()
     assert hlo.count(plgpu.CUSTOM_CALL_TARGET_NAME) == 2
     assert "dynamic_slice" not in hlo                                   # the stack is not sliced per layer
-
-
-def _offset_dequant(q, scale, axis):
-    """float64 weights bf16((q + 8) * scale) - 8 * scale: what `offset_sums` computes (scale repeated 32x)."""
-    s = np.repeat(np.asarray(scale, np.float64), 32, axis=axis)
-    rounded = np.asarray(jnp.asarray((q + 8) * s, jnp.float32).astype(jnp.bfloat16), np.float64)
-    return rounded - 8 * s
-
-
-@pytest.mark.parametrize("num_tokens,per_pair,split_k", [(3, True, 1), (40, False, 1), (17, False, 2)])
-def test_offset_sums_matches_its_own_rounding_and_stays_near_the_exact_one(num_tokens, per_pair, split_k):
-    packed, (q13, q2) = random_experts(5, num_experts=8, d=256, i=512)
-    x = np.random.default_rng(num_tokens).normal(size=(num_tokens, 256))
-    ids, weights = random_routing(num_tokens, num_tokens, 3, num_ids=10)
-    tiling = moe.Tiling(per_pair=per_pair, split_k_down=split_k, block_n_gate_up=64, block_n_down=64,
-                        offset_sums=True)
-    assert moe.fit_tiling(tiling, 256, 512).offset_sums
-    y = moe.fused_moe(jnp.asarray(x, jnp.float32), ids, weights, *packed, tiling=tiling, interpret=True)
-    w13, w2 = _offset_dequant(q13, packed[1], 1), _offset_dequant(q2, packed[3], 1)
-    expected = np.zeros_like(x)
-    for t in range(num_tokens):
-        for e, w in zip(np.asarray(ids[t]), np.asarray(weights[t])):
-            if e < 8:
-                gate, up = x[t] @ w13[e, :, 0], x[t] @ w13[e, :, 1]
-                expected[t] += w * ((gate / (1 + np.exp(-gate)) * up) @ w2[e])
-    assert rel_err(y, expected) < 1e-5
-    exact = moe.fused_moe_reference(jnp.asarray(x, jnp.float32), ids, weights, *packed)
-    assert 1e-4 < rel_err(y, exact) < 2e-2  # other rounding of the weights than compressed-tensors'
-
-
-def test_offset_sums_needs_groups_of_eight():
-    assert not moe.fit_tiling(moe.Tiling(offset_sums=True), 7168, 32 * 12).offset_sums  # I/32 = 12
-    assert moe.fit_tiling(moe.Tiling(offset_sums=True), 7168, 2048).offset_sums
-    split = moe.Tiling(offset_sums=True, split_k_down=4, block_kw_down=16)
-    assert not moe.fit_tiling(split, 256, 512).offset_sums  # 16 groups over 4 splits: 4 a split
