@@ -286,9 +286,13 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
 
 
+_MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
+
+
 def _grid(num_blocks, num_n_tiles, n_fastest, *rest):
-    """Grid and the (row block, N tile) ids of the running program for the launch order `n_fastest` picks."""
-    if n_fastest:
+    """Grid and the (row block, N tile) ids of the running program for the launch order `n_fastest` picks.
+    Row blocks stay on the first grid axis when there are more than CUDA allows on the second (prefill)."""
+    if n_fastest and num_blocks <= _MAX_GRID_YZ:
         return (num_n_tiles, num_blocks, *rest), lambda: (pl.program_id(1), pl.program_id(0))
     return (num_blocks, num_n_tiles, *rest), lambda: (pl.program_id(0), pl.program_id(1))
 

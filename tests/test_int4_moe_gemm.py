@@ -254,3 +254,9 @@ def test_stacked_form_lowers_for_cuda():
             lowering_platforms=("cuda",)).as_text()
     assert hlo.count(plgpu.CUSTOM_CALL_TARGET_NAME) == 2
     assert "dynamic_slice" not in hlo                                   # the stack is not sliced per layer
+
+
+def test_n_fastest_keeps_row_blocks_on_the_unbounded_grid_axis():
+    assert moe._grid(600, 32, True)[0] == (32, 600)
+    assert moe._grid(70000, 32, True)[0] == (70000, 32)  # > 65535 row blocks (a long prefill)
+    assert moe._grid(70000, 56, True, 2)[0] == (70000, 56, 2)
