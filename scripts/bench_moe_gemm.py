@@ -37,7 +37,6 @@ SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 T = moe.Tiling
 TILINGS = {  # named candidates; all use the PTX bf16x2 dequant; "_nf" = N tiles fastest in launch order
     "pair_n64": T(per_pair=True, block_n_gate_up=64, block_n_down=128, dequant="asm"),
-    "pair_n64_nf": T(per_pair=True, block_n_gate_up=64, block_n_down=128, n_fastest=True, dequant="asm"),
     "pair_n64_kw16": T(per_pair=True, block_n_gate_up=64, block_n_down=128, block_kw_gate_up=16, block_kw_down=16,
                        dequant="asm"),
     "pair_n64_kw16_s4": T(per_pair=True, block_n_gate_up=64, block_n_down=128, block_kw_gate_up=16,

@@ -30,7 +30,8 @@ from scripts import bench_moe_gemm as bench
 
 warnings.filterwarnings("ignore", category=DeprecationWarning, message="The Pallas Triton backend is deprecated")
 
-BLOCK_M, BLOCK_KW, BLOCK_N = 16, 32, 64
+_TILING = moe.choose_tiling(16, 8)  # the real kernel's blocks at 16-row blocks
+BLOCK_M, BLOCK_KW, BLOCK_N = _TILING.block_m, _TILING.block_kw_gate_up, _TILING.block_n_gate_up
 
 
 def to_tile_major(w13_packed):

@@ -36,16 +36,18 @@ def dump(args):
         modules.append((jaxpr.debug_info.func_name, result.module.operation.get_asm()))
         return result
 
-    fn, operands, compiler_params = KERNELS[args.kernel](args)
+    fn, operands = KERNELS[args.kernel](args)
     lowering.lower_jaxpr_to_triton_module = capture
     h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
     try:
         with use_abstract_mesh(h200):
-            jax.jit(fn).trace(*operands).lower(lowering_platforms=("cuda",))
+            hlo = jax.jit(fn).trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         lowering.lower_jaxpr_to_triton_module = original
-    for (name, asm), (warps, stages) in zip(modules, compiler_params):
+    # Each Triton custom call's backend_config names the warps and stages the wrapper chose.
+    launch = re.findall(r'name = "\w+", num_stages = (\d+) : i32, num_warps = (\d+)', hlo)
+    for (name, asm), (stages, warps) in zip(modules, launch, strict=True):
         path = out_dir / f"{args.kernel}_{name}.w{warps}.s{stages}.ttir"
         path.write_text(asm)
         print(path)
@@ -67,7 +69,7 @@ def moe_case(args):
     operands = (s((m, d), jnp.bfloat16), s((m, k), jnp.int32), s((m, k), jnp.float32),
                 s((e, d // 8, 2, i), jnp.int32), s((e, d // 32, 2, i), jnp.bfloat16),
                 s((e, i // 8, d), jnp.int32), s((e, i // 32, d), jnp.bfloat16))
-    return (lambda *a: moe.fused_moe(*a, tiling=tiling)), operands, [(tiling.num_warps, tiling.num_stages)] * 2
+    return (lambda *a: moe.fused_moe(*a, tiling=tiling)), operands
 
 
 def attention_case(args):
@@ -77,14 +79,11 @@ def attention_case(args):
     from pallas_kernels import tree_mla_attention as attn
     knobs = {key: int(value) for key, value in args.knob}
     c, s_max, t, h = (knobs.pop(key, default) for key, default in (("c", 8), ("s", 32768), ("t", 65), ("h", 64)))
-    block_m = min(knobs.get("block_m", 64), max(16, attn._pow2_at_least(t * h)))
-    warps = knobs.get("num_warps") or (8 if block_m >= 64 else 4)
     s = jax.ShapeDtypeStruct
     bf16 = jnp.bfloat16
     operands = (s((c, t, h, 512), bf16), s((c, t, h, 64), bf16), s((c, s_max, 576), bf16), s((c,), jnp.int32),
                 s((c, t, 576), bf16), s((c, t, t), jnp.bool_))
-    fn = lambda *a: attn.tree_mla_attention(*a, scale=0.1, **knobs)
-    return fn, operands, [(warps, knobs.get("num_stages", 2))] * 2
+    return (lambda *a: attn.tree_mla_attention(*a, scale=0.1, **knobs)), operands
 
 
 KERNELS = {"moe": moe_case, "attention": attention_case}
