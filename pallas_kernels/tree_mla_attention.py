@@ -7,11 +7,14 @@ A key row holds the normalised latent c_kv (first R values) and the roped key k_
 score = (q_lat . c_kv + q_rope . k_rope) * scale; the latent is also the value: o_lat = sum_s p_s c_kv_s.
 K2.6 uses R = 512, P = 64; W_UK / W_UV are applied outside.
 
-Kernel layout (Pallas-Triton): the T*H query rows of a sequence form the M dimension, so one tile of
+Kernel layout: the T*H query rows of a sequence form the M dimension, so one tile of
 block_m (token, head) rows shares every key block and the dots run on tensor cores. The prefix
 kernel splits each sequence's prefix into `num_splits` ranges (flash-decoding); the tail kernel
 attends over the tree rows under the ancestor mask. Each program writes a normalised partial output
 and its base-2 log-sum-exp; an exact log-sum-exp merge in XLA combines them.
+Two prefix kernels: the Pallas-Triton one below, and a warp-specialised Pallas Mosaic GPU one
+(`mla_prefix_mosaic.py`), which does not repeat the score MMA in both warpgroups and is the default where
+it fits (1.7x faster for tree verify on the H200, bench/verify_attn.md). The tail kernel is Triton.
 """
 import functools
 import math
@@ -22,6 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
+
+from pallas_kernels import mla_prefix_mosaic
 
 _LOG2E = math.log2(math.e)
 _NUM_SMS = 132  # H200; sizes the default prefix split
@@ -217,18 +222,47 @@ def choose_num_splits(num_programs, num_key_blocks, resident_programs):
   return min(range(1, max(1, pl.cdiv(num_key_blocks, 4)) + 1), key=cost)
 
 
+PREFIX_KERNELS = ("auto", "triton", "mosaic")
+
+
+def mosaic_prefix_fits(q_lat, cache):
+  """Whether `mla_prefix_mosaic` takes this shape: bf16, (R, P) = (512, 64), S_max a multiple of 8 (its TMA
+  tiling). "auto" also wants more than 16 query rows a sequence: below that Triton's 16-row tiles win
+  (decode at 8 heads: 72% vs 69% of the floor, bench/verify_attn.md)."""
+  C, T, H, R = q_lat.shape
+  return (q_lat.dtype == jnp.bfloat16 and cache.dtype == jnp.bfloat16 and cache.shape[1] % 8 == 0
+          and (R, cache.shape[2] - R) == (mla_prefix_mosaic.LAT_DIM, mla_prefix_mosaic.ROPE_DIM))
+
+
+def _mosaic_prefix(q_lat_CMR, q_rope_CMP, cache, prefix_len, *, num_splits, qk_scale, interpret):
+  """The prefix partials from `mla_prefix_mosaic` (64-row tiles, 64-key blocks, one CTA an SM); the query
+  rows are padded to whole tiles (TMA boxes may not exceed the array) and the padding cut off again."""
+  C, M, _ = q_lat_CMR.shape
+  if num_splits is None:
+    num_splits = choose_num_splits(C * pl.cdiv(M, mla_prefix_mosaic.BLOCK_M),
+                                   pl.cdiv(cache.shape[1], mla_prefix_mosaic.BLOCK_K), _NUM_SMS)
+  pad = [(0, 0), (0, pl.cdiv(M, mla_prefix_mosaic.BLOCK_M) * mla_prefix_mosaic.BLOCK_M - M), (0, 0)]
+  q_CMD = jnp.pad(jnp.concatenate([q_lat_CMR, q_rope_CMP], axis=-1), pad)
+  o, lse = mla_prefix_mosaic.mla_prefix_attention(q_CMD, cache, prefix_len, num_splits=num_splits,
+                                                  qk_scale=qk_scale, interpret=interpret)
+  return o[:, :, :M], lse[:, :, :M]
+
+
 @functools.partial(jax.jit, static_argnames=["scale", "block_m", "block_k", "block_r", "num_splits", "num_warps",
-                                             "num_stages", "interpret"])
+                                             "num_stages", "prefix_kernel", "interpret"])
 def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, block_m: int = 64,
                        block_k: int = 64, block_r: int | None = None, num_splits: int | None = None,
-                       num_warps: int | None = None, num_stages: int = 2, interpret: bool = False):
+                       num_warps: int | None = None, num_stages: int = 2, prefix_kernel: str = "auto",
+                       interpret: bool = False):
   """Pallas-Triton tree MLA attention; arguments and result as in `tree_mla_attention_reference`.
 
   Knobs: block_m query rows (tree token x head) per tile, clamped to T*H (at least 16); block_k
   prefix keys per step; block_r width of the latent chunks (default 256 for 64-row tiles, else R);
   num_splits prefix ranges per sequence (default: `choose_num_splits`, with one program per SM resident
   for 64-row tiles and two for 16-row tiles); num_warps (default 8 for block_m >= 64, else 4) and
-  num_stages for Triton.
+  num_stages for Triton. prefix_kernel: "triton" (the kernel below), "mosaic" (`mla_prefix_mosaic`,
+  warp-specialised; see `mosaic_prefix_fits`; block_m / block_k / block_r / warps / stages do not apply)
+  or "auto": mosaic where it fits and T*H > 16, else triton.
   Defaults are the H200 tuning winners (bench/verify_attn.md): block_k 64, 2 stages, latent in 256-wide
   chunks for 64-row tiles (verify 42.5% of floor vs 34.5% for block_k 32 / 3 stages / whole latent), and
   whole latent for 16-row tiles (decode at 8 heads: 80.4%).
@@ -241,23 +275,34 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
     if n < 16 or n & (n - 1):
       raise ValueError(f"{name} must be a power of two >= 16, got {n}")
   num_m_blocks = pl.cdiv(M, block_m)
-  if num_splits is None:
-    resident = _NUM_SMS * (1 if block_m >= 64 else 2)  # 64-row tiles fill an SM's shared memory
-    num_splits = choose_num_splits(C * num_m_blocks, pl.cdiv(S_max, block_k), resident)
-  if num_splits < 1:
+  if num_splits is not None and num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+  if prefix_kernel not in PREFIX_KERNELS:
+    raise ValueError(f"prefix_kernel must be one of {PREFIX_KERNELS}, got {prefix_kernel!r}")
   params = plgpu.CompilerParams(num_warps=num_warps or (8 if block_m >= 64 else 4), num_stages=num_stages)
   q_lat_CMR, q_rope_CMP = q_lat.reshape(C, M, R), q_rope.reshape(C, M, P)
   qk_scale = scale * _LOG2E
 
-  o_prefix, lse_prefix = pl.pallas_call(
-      functools.partial(_prefix_kernel, num_rows=M, num_splits=num_splits, block_m=block_m, block_k=block_k,
-                        block_r=block_r, qk_scale=qk_scale),
-      grid=(num_m_blocks, num_splits, C),
-      out_shape=[jax.ShapeDtypeStruct((C, num_splits, M, R), jnp.float32),
-                 jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)],
-      compiler_params=params, interpret=interpret, name="tree_mla_prefix",
-  )(prefix_len.astype(jnp.int32), q_lat_CMR, q_rope_CMP, cache)
+  if prefix_kernel == "auto":
+    prefix_kernel = "mosaic" if mosaic_prefix_fits(q_lat, cache) and M > 16 else "triton"
+  if prefix_kernel == "mosaic":
+    if not mosaic_prefix_fits(q_lat, cache):
+      raise ValueError(f"prefix_kernel='mosaic' needs bf16 q and cache, (R, P) = (512, 64) and S_max % 8 == 0; "
+                       f"got q_lat {q_lat.dtype}{q_lat.shape}, cache {cache.dtype}{cache.shape}")
+    o_prefix, lse_prefix = _mosaic_prefix(q_lat_CMR, q_rope_CMP, cache, prefix_len.astype(jnp.int32),
+                                          num_splits=num_splits, qk_scale=qk_scale, interpret=interpret)
+  else:
+    if num_splits is None:
+      resident = _NUM_SMS * (1 if block_m >= 64 else 2)  # 64-row tiles fill an SM's shared memory
+      num_splits = choose_num_splits(C * num_m_blocks, pl.cdiv(S_max, block_k), resident)
+    o_prefix, lse_prefix = pl.pallas_call(
+        functools.partial(_prefix_kernel, num_rows=M, num_splits=num_splits, block_m=block_m, block_k=block_k,
+                          block_r=block_r, qk_scale=qk_scale),
+        grid=(num_m_blocks, num_splits, C),
+        out_shape=[jax.ShapeDtypeStruct((C, num_splits, M, R), jnp.float32),
+                   jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)],
+        compiler_params=params, interpret=interpret, name="tree_mla_prefix",
+    )(prefix_len.astype(jnp.int32), q_lat_CMR, q_rope_CMP, cache)
   o_tail, lse_tail = pl.pallas_call(
       functools.partial(_tail_kernel, num_heads=H, num_tokens=T, block_m=block_m,
                         block_t=max(16, min(block_k, _pow2_at_least(T))), block_r=block_r, qk_scale=qk_scale),

@@ -145,18 +145,21 @@ def relative_error(out, ref):
 
 
 def gpu_checks():
-  """bf16 kernel (default knobs) vs float32 reference on the GPU: ragged prefixes, random trees."""
+  """bf16 kernel vs float32 reference on the GPU, both prefix kernels: ragged prefixes, random trees,
+  row counts that are no multiple of 64 (72, 8)."""
   rows = []
-  for C, S, T, H, prefix in [(3, 3001, 33, 64, [3001, 0, 1234]), (4, 1000, 1, 64, [1000, 1, 127, 0]),
-                             (2, 777, 9, 8, [5, 777])]:
+  for C, S, T, H, prefix in [(3, 3008, 33, 64, [3008, 0, 1234]), (4, 1000, 1, 64, [1000, 1, 127, 0]),
+                             (2, 776, 9, 8, [5, 776]), (2, 1024, 1, 8, [1024, 3])]:
     args = make_input_sets(C, S, T, H, 1, seed=7, prefix_len=prefix)[0]
-    try:
-      out = jax.jit(functools.partial(tree_mla_attention, scale=SCALE))(*args)
-      rows.append(dict(C=C, S=S, T=T, H=H, rel_err=relative_error(out, reference_output(args)),
-                       finite=bool(jnp.isfinite(out.astype(jnp.float32)).all())))
-    except Exception as e:
-      rows.append(dict(C=C, S=S, T=T, H=H, error=f"{type(e).__name__}: {str(e)[:300]}"))
-    print("check", rows[-1], flush=True)
+    reference = reference_output(args)
+    for prefix_kernel in ("triton", "mosaic"):
+      try:
+        out = jax.jit(functools.partial(tree_mla_attention, scale=SCALE, prefix_kernel=prefix_kernel))(*args)
+        rows.append(dict(C=C, S=S, T=T, H=H, prefix_kernel=prefix_kernel, rel_err=relative_error(out, reference),
+                         finite=bool(jnp.isfinite(out.astype(jnp.float32)).all())))
+      except Exception as e:
+        rows.append(dict(C=C, S=S, T=T, H=H, prefix_kernel=prefix_kernel, error=f"{type(e).__name__}: {str(e)[:300]}"))
+      print("check", rows[-1], flush=True)
   return rows
 
 
@@ -165,24 +168,21 @@ def reference_output(args):
   return jax.jit(functools.partial(tree_mla_attention_reference, scale=SCALE))(*f32_args)
 
 
-# Tile candidates, checked offline for shared memory (Triton 3.9 for sm_90a) before this run.
-WIDE = {  # block_m = 64 (H = 64, or H = 8 with T >= 8), 8 warps
-    "k64_r256": dict(block_m=64, block_k=64, block_r=256, num_stages=2),
-    "k64_r512": dict(block_m=64, block_k=64, block_r=512, num_stages=2),
-    "k32_r512_s2": dict(block_m=64, block_k=32, block_r=512, num_stages=2),
-    "k32_r512_s3": dict(block_m=64, block_k=32, block_r=512, num_stages=3),
+# Candidates: the Mosaic prefix kernel (tiles fixed) and Triton tiles, checked offline for shared memory
+# (Triton 3.9 for sm_90a) before they were first raced.
+MOSAIC = {"mosaic": dict(prefix_kernel="mosaic")}
+WIDE = {  # Triton, block_m = 64 (H = 64, or H = 8 with T >= 8), 8 warps
+    "k64_r256": dict(prefix_kernel="triton", block_m=64, block_k=64, block_r=256, num_stages=2),
+    "k32_r512_s3": dict(prefix_kernel="triton", block_m=64, block_k=32, block_r=512, num_stages=3),
 }
-NARROW = {  # H = 8, T = 1: block_m = 16, 4 warps
-    "k64_r512": dict(block_m=16, block_k=64, block_r=512, num_stages=2, num_warps=4),
-    "k64_r512_sp33": dict(block_m=16, block_k=64, block_r=512, num_stages=2, num_warps=4, num_splits=33),
-    "k32_r512_s4": dict(block_m=16, block_k=32, block_r=512, num_stages=4, num_warps=4),
-    "k64_r128_s3": dict(block_m=16, block_k=64, block_r=128, num_stages=3, num_warps=4),
+NARROW = {  # Triton, H = 8, T = 1: block_m = 16, 4 warps
+    "k64_r512": dict(prefix_kernel="triton", block_m=16, block_k=64, block_r=512, num_stages=2, num_warps=4),
+    "k32_r512_s4": dict(prefix_kernel="triton", block_m=16, block_k=32, block_r=512, num_stages=4, num_warps=4),
 }
-TUNE = {"verify": ((8, 32768, 65, 64), WIDE),  # decode also races the old split rule (17 at C = 8)
-        "decode": ((8, 32768, 1, 64), {**WIDE, "k64_r256_sp17": dict(WIDE["k64_r256"], num_splits=17),
-                                       "m16_k64_r512": NARROW["k64_r512"],
-                                       "m32_k64_r512": dict(NARROW["k64_r512"], block_m=32)}),
-        "decode_tp8": ((8, 32768, 1, 8), NARROW)}
+TUNE = {"verify": ((8, 32768, 65, 64), {**MOSAIC, **WIDE}),
+        "decode": ((8, 32768, 1, 64), {**MOSAIC, "mosaic_sp32": dict(prefix_kernel="mosaic", num_splits=32),
+                                       **WIDE}),
+        "decode_tp8": ((8, 32768, 1, 8), {**MOSAIC, **NARROW})}
 
 
 def regime(T, H):

@@ -142,14 +142,17 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NV
                                                                   platform="cuda"))
 
 
-@pytest.mark.parametrize("T,H,R_,P_,knobs", [
-    (65, 64, 512, 64, {}),                                  # verify tile: block_m 64, 8 warps
-    (1, 64, 512, 64, {}),                                   # decode, all heads on one GPU
-    (1, 8, 512, 64, {}),                                    # decode under TP-8: block_m 16, whole latent
-    (33, 8, 512, 64, dict(block_k=64, block_r=256, num_stages=2)),
-    (9, 16, 64, 16, {}),                                    # tiny model widths
+@pytest.mark.parametrize("T,H,R_,P_,knobs,mosaic_calls", [
+    (65, 64, 512, 64, {}, 1),                               # verify: Mosaic prefix (auto), Triton tail
+    (65, 64, 512, 64, dict(prefix_kernel="triton"), 0),     # the Triton verify tile: block_m 64, 8 warps
+    (1, 64, 512, 64, {}, 1),                                # decode, all heads on one GPU
+    (1, 64, 512, 64, dict(prefix_kernel="triton"), 0),
+    (1, 8, 512, 64, {}, 0),                                 # decode under TP-8: Triton, block_m 16
+    (33, 8, 512, 64, dict(block_k=64, block_r=256, num_stages=2, prefix_kernel="triton"), 0),
+    (33, 8, 512, 64, {}, 1),                                # 264 rows: padded to 5 Mosaic tiles
+    (9, 16, 64, 16, {}, 0),                                 # tiny model widths: Triton only
 ])
-def test_lowers_for_cuda(T, H, R_, P_, knobs):
+def test_lowers_for_cuda(T, H, R_, P_, knobs, mosaic_calls):
   C, S = 2, 4096
   bf16 = jnp.bfloat16
   shapes = [((C, T, H, R_), bf16), ((C, T, H, P_), bf16), ((C, S, R_ + P_), bf16), ((C,), jnp.int32),
@@ -158,7 +161,8 @@ def test_lowers_for_cuda(T, H, R_, P_, knobs):
   with use_abstract_mesh(H200):
     hlo = jax.jit(functools.partial(tree_mla_attention, scale=SCALE, **knobs)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
-  assert hlo.count(plgpu.CUSTOM_CALL_TARGET_NAME) == 2  # prefix and tail kernels
+  assert hlo.count("@mosaic_gpu_v2(") == mosaic_calls
+  assert hlo.count(plgpu.CUSTOM_CALL_TARGET_NAME) == 2 - mosaic_calls  # prefix and tail kernels
 
 
 @pytest.mark.parametrize("programs,key_blocks,resident,want", [

@@ -1,0 +1,230 @@
+"""Prefix part of tree MLA attention as a warp-specialised Mosaic GPU kernel (Hopper, bf16).
+
+Same contract as the Triton prefix kernel in `tree_mla_attention.py`: for each sequence c, prefix split and
+64-row tile of the T*H query rows, attend over that split's cache rows and write the normalised partial
+output and its base-2 log-sum-exp; `tree_mla_attention` merges them with the tail.
+
+Why a second backend: with a 576-wide key and a 512-wide value a 64-row tile needs a 64 x 512 fp32
+accumulator, so two warpgroups must share the rows and split the value columns. Triton then makes both
+warpgroups compute the whole score tile (1664 MMA units per key and row for 1088 useful, see
+bench/verify_attn.md). Here the warpgroups split the keys instead and trade the row maxima and the bf16
+probabilities through shared memory (FlashMLA's scheme), so no MMA is repeated:
+
+  warpgroup w in {0, 1}, per 64-key block (keys k_w = rows 32w..32w+31 of the block):
+    s_w = Q K[k_w]^T            [64, 32]   (K = 576)
+    m   = max(m, rowmax(s_0), rowmax(s_1))          (row maxima swapped in shared memory)
+    P[:, k_w] = exp2(s_w - m)                      (bf16, shared memory)
+    O_w = O_w * exp2(m_old - m) + P V[:, 256w:256w+256]   [64, 256]  (K = 64)
+  warpgroup 2 streams Q once and the [64, 576] key blocks through a 2-stage TMA ring.
+Each warpgroup keeps the running sum of its own keys' probabilities; the two are added at the end.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BLOCK_M = 64  # query rows a CTA (the two compute warpgroups share them)
+BLOCK_K = 64  # keys a pipeline step; each compute warpgroup scores half of them
+STAGES = 2  # key blocks in flight: 2 x 72 KB of shared memory
+LAT_DIM, ROPE_DIM = 512, 64
+HALF_K, HALF_R = BLOCK_K // 2, LAT_DIM // 2
+EPI_N = 64  # output columns a TMA store
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+
+
+def split_steps(prefix_len, split, num_splits):
+  """(first key block, number of key blocks) of prefix split `split`; the Triton kernel splits the same way."""
+  num_blocks = lax.div(prefix_len + BLOCK_K - 1, BLOCK_K)
+  per_split = lax.div(num_blocks + num_splits - 1, num_splits)
+  first = split * per_split
+  return first, jnp.clip(num_blocks - first, 0, per_split)
+
+
+def mla_prefix_reference(q_CMD, cache, prefix_len, *, num_splits, qk_scale):
+  """float32 prefix partials. q_CMD [C, M, 576] (q_lat | q_rope); cache [C, S_max, 576]; prefix_len [C].
+  qk_scale: softmax scale times log2(e). Returns o [C, splits, M, 512] (normalised, 0 where a split is
+  empty) and lse [C, splits, M] (base 2, -inf where empty)."""
+  f32, hi = jnp.float32, lax.Precision.HIGHEST
+  s_CMS = jnp.einsum("cmd,csd->cms", q_CMD.astype(f32), cache.astype(f32), precision=hi) * qk_scale
+  key_block = jnp.arange(cache.shape[1]) // BLOCK_K
+  first, steps = jax.vmap(lambda n: split_steps(n, jnp.arange(num_splits), num_splits))(prefix_len)
+  in_split_CNS = ((key_block >= first[..., None]) & (key_block < (first + steps)[..., None])
+                  & (jnp.arange(cache.shape[1]) < prefix_len[:, None, None]))
+  s_CNMS = jnp.where(in_split_CNS[:, :, None, :], s_CMS[:, None], -jnp.inf)
+  m_CNM = jnp.max(s_CNMS, axis=-1)
+  m_safe = jnp.where(jnp.isfinite(m_CNM), m_CNM, 0.0)
+  p_CNMS = jnp.exp2(s_CNMS - m_safe[..., None])
+  l_CNM = p_CNMS.sum(-1)
+  o = jnp.einsum("cnms,csr->cnmr", p_CNMS, cache[..., :LAT_DIM].astype(f32), precision=hi)
+  o = o / jnp.where(l_CNM > 0, l_CNM, 1.0)[..., None]
+  return o, jnp.where(l_CNM > 0, m_safe + jnp.log2(jnp.where(l_CNM > 0, l_CNM, 1.0)), -jnp.inf)
+
+
+def _accumulate(acc, issue_dots, interpret):
+  """acc + the wgmma dots that issue_dots(acc_ref) issues. On the GPU the dots accumulate into acc in place
+  (run_state); Mosaic GPU's interpreter has no run_state, so there a fresh product is added."""
+  if interpret:
+    def product(acc_ref):
+      issue_dots(acc_ref)
+      return acc_ref[...]
+    return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+  return pl.run_state(issue_dots)(plgpu.ACC.init(acc))
+
+
+def _kernel(prefix_len_ref, q_ref, cache_ref, o_ref, lse_ref, q_and_out, kv_smem, p_smem, row_smem,
+            q_bar, kv_bars, consumed_bars, row_bar, p_bar, *, num_splits, qk_scale, interpret):
+  m_blk, split, c, wg = (lax.axis_index(n) for n in ("m", "split", "c", "wg"))
+  q_smem, (o_stage, lse_smem) = q_and_out
+  rows = pl.ds(pl.multiple_of(m_blk * BLOCK_M, BLOCK_M), BLOCK_M)  # TMA tiling needs the alignment proven
+  prefix_len = prefix_len_ref[c]
+  first, steps = split_steps(prefix_len, split, num_splits)
+
+  @pl.when(wg == 2)
+  def _memory_warpgroup():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load_block(i, slot):  # each half of the block has its own buffer and barrier (no sliced MMA operands)
+      for half in range(2):
+        start = pl.multiple_of((first + i) * BLOCK_K + half * HALF_K, HALF_K)
+        plgpu.copy_gmem_to_smem(cache_ref.at[c, pl.ds(start, HALF_K)], kv_smem.at[slot, half],
+                                kv_bars.at[slot * 2 + half])
+
+    @pl.when(steps > 0)
+    def _():
+      plgpu.copy_gmem_to_smem(q_ref.at[c, rows], q_smem, q_bar)
+
+    for i in range(STAGES):
+      pl.when(i < steps)(functools.partial(load_block, i, i))
+
+    @pl.loop(0, steps - STAGES)
+    def _refill(i):
+      slot = lax.rem(i, STAGES)
+      plgpu.barrier_wait(consumed_bars.at[slot])
+      load_block(i + STAGES, slot)
+
+    @pl.loop(jnp.maximum(steps - STAGES, 0), steps)
+    def _drain(i):  # observe every phase of the barriers this warpgroup waits on (the interpreter checks)
+      plgpu.barrier_wait(consumed_bars.at[lax.rem(i, STAGES)])
+
+  def compute_warpgroup(w):
+    plgpu.set_max_registers(232, action="increase")
+    other = 1 - w
+
+    def exchange(x_row):  # -> (x of warpgroup 0, x of warpgroup 1), rows in WGMMA row layout
+      row_smem[w] = x_row
+      plgpu.barrier_arrive(row_bar)
+      plgpu.barrier_wait(row_bar)
+      theirs = plgpu.load(row_smem.at[other], layout=_ROW, optimized=False)
+      return (x_row, theirs) if w == 0 else (theirs, x_row)
+
+    def step(i, carry):
+      acc, m_prev, l_prev = carry
+      slot = lax.rem(i, STAGES)
+      plgpu.barrier_wait(kv_bars.at[slot * 2 + w])
+
+      def scores(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot, w].T)
+        return acc_ref[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, HALF_K), jnp.float32))
+      key = (first + i) * BLOCK_K + w * HALF_K + plgpu.broadcasted_iota(
+          jnp.int32, (BLOCK_M, HALF_K), 1, layout=plgpu.Layout.WGMMA)
+      s = jnp.where(key < prefix_len, s * qk_scale, -jnp.inf)
+      m0, m1 = exchange(s.max(axis=1))
+      m_next = jnp.maximum(m_prev, jnp.maximum(m0, m1))  # finite: every block has a valid key
+      alpha = jnp.exp2(m_prev - m_next)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
+      l_next = l_prev * alpha + p.sum(axis=1)
+      p_smem[w] = p.astype(p_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_bar)
+      plgpu.barrier_wait(p_bar)
+      plgpu.barrier_wait(kv_bars.at[slot * 2 + other])
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+      def values(acc_ref):
+        for half in range(2):
+          plgpu.wgmma(acc_ref, p_smem.at[half], kv_smem.at[slot, half, :, pl.ds(w * HALF_R, HALF_R)])
+
+      acc = _accumulate(acc, values, interpret)
+      plgpu.barrier_arrive(consumed_bars.at[slot])
+      return acc, m_next, l_next
+
+    @pl.when(steps > 0)
+    def _():
+      plgpu.barrier_wait(q_bar)
+
+    carry = (plgpu.layout_cast(jnp.zeros((BLOCK_M, HALF_R), jnp.float32), plgpu.Layout.WGMMA),
+             plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), _ROW),
+             plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), _ROW))
+    acc, m, l_own = lax.fori_loop(0, steps, step, carry)
+    l0, l1 = exchange(l_own)  # also orders every read of q_smem before o_stage (its alias) is written
+    l = l0 + l1
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    for j in range(HALF_R // EPI_N):
+      slot = j % 2
+      if j >= 2:
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      o_stage[w, slot] = out[:, j * EPI_N:(j + 1) * EPI_N]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_stage.at[w, slot], o_ref.at[c, split, rows, pl.ds(w * HALF_R + j * EPI_N, EPI_N)])
+    if w == 0:
+      lse_smem[...] = jnp.where(seen, m + jnp.log2(l_safe), -jnp.inf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[c, split, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  for w in range(2):
+    pl.when(wg == w)(functools.partial(compute_warpgroup, w))
+
+
+def _smem(shape, dtype, row_bytes):
+  swizzle = min(128, row_bytes)
+  elems = swizzle // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)))
+
+
+@functools.partial(jax.jit, static_argnames=["num_splits", "qk_scale", "interpret"])
+def mla_prefix_attention(q_CMD, cache, prefix_len, *, num_splits: int, qk_scale: float, interpret: bool = False):
+  """Prefix partials on the GPU; arguments and results as in `mla_prefix_reference` (bf16 q and cache,
+  R = 512, P = 64). `interpret` runs Mosaic GPU's interpreter (CPU tests)."""
+  C, M, D = q_CMD.shape
+  if D != LAT_DIM + ROPE_DIM or cache.shape[-1] != D or cache.shape[0] != C:
+    raise ValueError(f"q [C, M, {LAT_DIM + ROPE_DIM}] and cache [C, S_max, {LAT_DIM + ROPE_DIM}] expected, "
+                     f"got {q_CMD.shape} and {cache.shape}")
+  if q_CMD.dtype != jnp.bfloat16 or cache.dtype != jnp.bfloat16:
+    raise ValueError(f"the Mosaic prefix kernel takes bf16, got q {q_CMD.dtype} and cache {cache.dtype}")
+  if M % BLOCK_M or cache.shape[1] % 8:
+    raise ValueError(f"q rows ({M}) must be a multiple of {BLOCK_M} and cache rows ({cache.shape[1]}) of 8 "
+                     "(TMA tiles; tree_mla_attention pads the queries)")
+  dtype = q_CMD.dtype
+  scratch = [  # swizzled buffers first: a barrier placed between them costs a 1 KB alignment gap
+      # q_smem (swizzled as kv_smem: one wgmma wants one swizzle); dead after the key loop, then the output stage
+      plgpu.RefUnion(_smem((BLOCK_M, D), dtype, 64),
+                     (_smem((2, 2, BLOCK_M, EPI_N), jnp.float32, 128), plgpu.SMEM((BLOCK_M,), jnp.float32))),
+      _smem((STAGES, 2, HALF_K, D), dtype, 64),  # kv_smem [slot, half block]; 32-key MMA operands need 64 B swizzle
+      _smem((2, BLOCK_M, HALF_K), dtype, HALF_K * 2),  # p_smem
+      plgpu.SMEM((2, BLOCK_M), jnp.float32),  # row_smem
+      plgpu.Barrier(),  # q_bar
+      plgpu.Barrier(num_barriers=STAGES * 2),  # kv_bars: [slot * 2 + half]
+      plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # consumed_bars
+      plgpu.Barrier(num_arrivals=2),  # row_bar: the row exchange
+      plgpu.Barrier(num_arrivals=2),  # p_bar
+  ]
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, num_splits=num_splits, qk_scale=qk_scale, interpret=interpret),
+      out_type=(jax.ShapeDtypeStruct((C, num_splits, M, LAT_DIM), jnp.float32),
+                jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)),
+      scratch_types=scratch,
+      grid=(pl.cdiv(M, BLOCK_M), num_splits, C), grid_names=("m", "split", "c"),
+      num_threads=3, thread_name="wg",
+      # the row reductions stay within a thread quad, so no cross-warp reduction scratch is reserved
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+  return kernel(prefix_len.astype(jnp.int32), q_CMD, cache)

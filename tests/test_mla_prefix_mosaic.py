@@ -1,0 +1,74 @@
+"""mla_prefix_mosaic: the warp-specialised Mosaic GPU prefix kernel in Mosaic GPU's interpreter (CPU) against
+its float32 reference and through tree_mla_attention against the tree reference; argument checks.
+(Its cuda lowering, which also checks the shared-memory budget, is in test_tree_mla_attention.py.)"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import mla_prefix_mosaic as mp
+from pallas_kernels.tree_mla_attention import tree_mla_attention, tree_mla_attention_reference
+from tests.test_tree_mla_attention import make_inputs, rel_err
+
+D = mp.LAT_DIM + mp.ROPE_DIM
+QK_SCALE = 0.06
+
+
+def bf16_normal(rng, *shape, scale=1.0):
+  return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_partials_match_reference(num_splits):
+  """Ragged prefixes (empty, one key, a partial block, a whole cache that is no multiple of 64), two row tiles."""
+  rng = np.random.default_rng(num_splits)
+  prefix_len = jnp.asarray([0, 1, 127, 264], jnp.int32)
+  q, cache = bf16_normal(rng, 4, 128, D), bf16_normal(rng, 4, 264, D)
+  run = functools.partial(mp.mla_prefix_attention, num_splits=num_splits, qk_scale=QK_SCALE, interpret=True)
+  o, lse = run(q, cache, prefix_len)
+  o_ref, lse_ref = mp.mla_prefix_reference(q, cache, prefix_len, num_splits=num_splits, qk_scale=QK_SCALE)
+  assert o.shape == (4, num_splits, 128, mp.LAT_DIM) and lse.shape == (4, num_splits, 128)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_ref))  # the same splits are empty
+  assert np.isneginf(lse[0]).all() and not np.asarray(o[0]).any()      # no prefix: lse -inf, output 0
+  finite = np.isfinite(lse_ref)
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite], atol=2e-3)
+  assert rel_err(o, o_ref) < 1e-2  # P is rounded to bf16 for the value MMA
+
+
+def test_large_logits_stay_finite():
+  rng = np.random.default_rng(7)
+  prefix_len = jnp.asarray([200], jnp.int32)
+  q, cache = bf16_normal(rng, 1, 64, D, scale=30.0), bf16_normal(rng, 1, 200, D, scale=30.0)
+  o, lse = mp.mla_prefix_attention(q, cache, prefix_len, num_splits=1, qk_scale=1.0, interpret=True)
+  o_ref, _ = mp.mla_prefix_reference(q, cache, prefix_len, num_splits=1, qk_scale=1.0)
+  assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(lse)).all()
+  assert rel_err(o, o_ref) < 1e-2
+
+
+@pytest.mark.parametrize("T,H,prefix_lens", [(9, 8, [0, 5, 304]), (1, 64, [1, 300])])
+def test_tree_attention_with_mosaic_prefix(T, H, prefix_lens):
+  """Whole tree attention (Mosaic prefix, Triton tail, merge): 72 rows padded to two tiles, and decode at 64
+  heads; random trees, rows that see no prefix."""
+  args = make_inputs(3, T, H, R=mp.LAT_DIM, P=mp.ROPE_DIM, prefix_lens=prefix_lens, S=304, dtype=jnp.bfloat16)
+  out = tree_mla_attention(*args, scale=0.05, prefix_kernel="mosaic", interpret=True)
+  f32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+  assert rel_err(out, tree_mla_attention_reference(*f32, scale=0.05)) < 1e-2
+
+
+def test_bad_arguments_raise():
+  rng = np.random.default_rng(0)
+  q, lens = bf16_normal(rng, 1, 64, D), jnp.asarray([5], jnp.int32)
+  run = functools.partial(mp.mla_prefix_attention, num_splits=1, qk_scale=1.0, interpret=True)
+  with pytest.raises(ValueError, match="cache rows"):
+    run(q, bf16_normal(rng, 1, 777, D), lens)
+  with pytest.raises(ValueError, match="q rows"):
+    run(q[:, :40], bf16_normal(rng, 1, 64, D), lens)
+  with pytest.raises(ValueError, match="bf16"):
+    run(q.astype(jnp.float32), bf16_normal(rng, 1, 64, D), lens)
+  args = make_inputs(1, 2, 16, R=mp.LAT_DIM, P=mp.ROPE_DIM, prefix_lens=[3], S=777, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="S_max % 8"):
+    tree_mla_attention(*args, scale=0.05, prefix_kernel="mosaic", interpret=True)
+  with pytest.raises(ValueError, match="prefix_kernel"):
+    tree_mla_attention(*args, scale=0.05, prefix_kernel="cuda", interpret=True)
