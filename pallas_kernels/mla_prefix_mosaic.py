@@ -75,7 +75,7 @@ def _accumulate(acc, issue_dots, interpret):
 
 
 def _kernel(prefix_len_ref, q_ref, cache_ref, o_ref, lse_ref, q_and_out, kv_smem, p_smem, row_smem,
-            q_bar, kv_bars, consumed_bars, row_bar, p_bar, *, num_splits, qk_scale, overlap, interpret):
+            q_bar, kv_bars, consumed_bars, row_bar, p_bar, *, num_splits, qk_scale, interpret):
   m_blk, split, c, wg = (lax.axis_index(n) for n in ("m", "split", "c", "wg"))
   q_smem, (o_stage, lse_smem) = q_and_out
   rows = pl.ds(pl.multiple_of(m_blk * BLOCK_M, BLOCK_M), BLOCK_M)  # TMA tiling needs the alignment proven
@@ -120,12 +120,16 @@ def _kernel(prefix_len_ref, q_ref, cache_ref, o_ref, lse_ref, q_and_out, kv_smem
       theirs = plgpu.load(row_smem.at[other], layout=_ROW, optimized=False)
       return (x_row, theirs) if w == 0 else (theirs, x_row)
 
-    def issue_scores(i, s_ref):  # s_ref += Q K^T over this warpgroup's 32 keys of block i (async)
-      plgpu.wgmma(s_ref, q_smem, kv_smem.at[lax.rem(i, STAGES), w].T)
-
-    def attend(i, s, acc, m_prev, l_prev):
-      """Block i, given this warpgroup's raw scores s [64, 32]: online softmax, P through shared memory, P V."""
+    def step(i, carry):
+      acc, m_prev, l_prev = carry
       slot = lax.rem(i, STAGES)
+      plgpu.barrier_wait(kv_bars.at[slot * 2 + w])
+
+      def scores(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot, w].T)
+        return acc_ref[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, HALF_K), jnp.float32))
       key = (first + i) * BLOCK_K + w * HALF_K + plgpu.broadcasted_iota(
           jnp.int32, (BLOCK_M, HALF_K), 1, layout=plgpu.Layout.WGMMA)
       s = jnp.where(key < prefix_len, s * qk_scale, -jnp.inf)
@@ -145,31 +149,9 @@ def _kernel(prefix_len_ref, q_ref, cache_ref, o_ref, lse_ref, q_and_out, kv_smem
         for half in range(2):
           plgpu.wgmma(acc_ref, p_smem.at[half], kv_smem.at[slot, half, :, pl.ds(w * HALF_R, HALF_R)])
 
-      acc = _accumulate(acc, values, interpret)  # waits for every wgmma in flight
+      acc = _accumulate(acc, values, interpret)
       plgpu.barrier_arrive(consumed_bars.at[slot])
       return acc, m_next, l_next
-
-    def scores_now(i, wait=True):  # without wait (no block 0) the MMA reads unloaded buffers; it is dropped
-      pl.when(wait)(lambda: plgpu.barrier_wait(kv_bars.at[lax.rem(i, STAGES) * 2 + w]))
-      return pl.run_scoped(lambda s_ref: (issue_scores(i, s_ref), s_ref[...])[1],
-                           plgpu.ACC((BLOCK_M, HALF_K), jnp.float32))
-
-    def step(i, carry):
-      return attend(i, scores_now(i), *carry)
-
-    def step_overlapped(i, carry):
-      """Issues block i+1's score MMA before block i's softmax, so the tensor cores work during it."""
-      acc, m_prev, l_prev, s = carry
-
-      def with_next_scores(s_next_ref):
-        @pl.when(i + 1 < steps)
-        def _():
-          plgpu.barrier_wait(kv_bars.at[lax.rem(i + 1, STAGES) * 2 + w])
-
-        issue_scores(i + 1, s_next_ref)  # after the last block this reads a stale buffer; the result is dropped
-        return *attend(i, s, acc, m_prev, l_prev), plgpu.wgmma_accumulator_load(s_next_ref)
-
-      return pl.run_scoped(with_next_scores, plgpu.ACC((BLOCK_M, HALF_K), jnp.float32))
 
     @pl.when(steps > 0)
     def _():
@@ -178,10 +160,7 @@ def _kernel(prefix_len_ref, q_ref, cache_ref, o_ref, lse_ref, q_and_out, kv_smem
     carry = (plgpu.layout_cast(jnp.zeros((BLOCK_M, HALF_R), jnp.float32), plgpu.Layout.WGMMA),
              plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), _ROW),
              plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), _ROW))
-    if overlap:
-      acc, m, l_own, _ = lax.fori_loop(0, steps, step_overlapped, (*carry, scores_now(0, wait=steps > 0)))
-    else:
-      acc, m, l_own = lax.fori_loop(0, steps, step, carry)
+    acc, m, l_own = lax.fori_loop(0, steps, step, carry)
     l0, l1 = exchange(l_own)  # also orders every read of q_smem before o_stage (its alias) is written
     l = l0 + l1
     seen = l > 0
@@ -210,9 +189,8 @@ def _smem(shape, dtype, row_bytes):
   return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)))
 
 
-@functools.partial(jax.jit, static_argnames=["num_splits", "qk_scale", "overlap", "interpret"])
-def mla_prefix_attention(q_CMD, cache, prefix_len, *, num_splits: int, qk_scale: float, overlap: bool = True,
-                         interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=["num_splits", "qk_scale", "interpret"])
+def mla_prefix_attention(q_CMD, cache, prefix_len, *, num_splits: int, qk_scale: float, interpret: bool = False):
   """Prefix partials on the GPU; arguments and results as in `mla_prefix_reference` (bf16 q and cache,
   R = 512, P = 64). `interpret` runs Mosaic GPU's interpreter (CPU tests)."""
   C, M, D = q_CMD.shape
@@ -239,7 +217,7 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, *, num_splits: int, qk_scale:
       plgpu.Barrier(num_arrivals=2),  # p_bar
   ]
   kernel = plgpu.kernel(
-      functools.partial(_kernel, num_splits=num_splits, qk_scale=qk_scale, overlap=overlap, interpret=interpret),
+      functools.partial(_kernel, num_splits=num_splits, qk_scale=qk_scale, interpret=interpret),
       out_type=(jax.ShapeDtypeStruct((C, num_splits, M, LAT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)),
       scratch_types=scratch,
