@@ -220,17 +220,6 @@ def draft_hidden_states(params, cfg: DrafterConfig, embed_VD, context_features, 
     return h_layers, rms_norm(h_layers[-1], params["final_norm"], cfg.rms_norm_eps)
 
 
-def _over_layers(body, h, xs):
-    """body(h, layer's xs) -> (h, y) over the layers, unrolled with static indices -> (h, [y per layer]).
-    A lax.scan copied each layer's weights out of the stack with a dynamic slice every step (0.53 GB of MLP a
-    layer at Kimi dims, bench/e2e.md)."""
-    ys = []
-    for i in range(jax.tree.leaves(xs)[0].shape[0]):
-        h, y = body(h, jax.tree.map(lambda a: a[i], xs))
-        ys.append(y)
-    return h, ys
-
-
 def _full_forward(params, cfg: DrafterConfig, embed_VD, context_features, bonus_ids):
     """Every layer's block output [n, B, b, D], context at positions 0..Tc-1 and the block after it."""
     ctx_BTD = _context(params, cfg, context_features)
@@ -246,7 +235,7 @@ def _full_forward(params, cfg: DrafterConfig, embed_VD, context_features, bonus_
         h = _layer(layer, cfg, h, cos[:, Tc:], sin[:, Tc:], attend)
         return h, h
 
-    return jnp.stack(_over_layers(body, h, params["layers"])[1])
+    return jax.lax.scan(body, h, params["layers"])[1]
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
@@ -287,7 +276,7 @@ def draft_block(params, cfg: DrafterConfig, embed_VD, lm_head_DV, ctx_k, ctx_v, 
                                          visible)
         return _layer(layer, cfg, h, cos, sin, attend), None
 
-    h, _ = _over_layers(body, h, (params["layers"], ctx_k, ctx_v))
+    h, _ = jax.lax.scan(body, h, (params["layers"], ctx_k, ctx_v))
     return _logits(params, cfg, lm_head_DV, h)
 
 
