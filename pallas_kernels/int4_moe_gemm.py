@@ -163,6 +163,7 @@ class Tiling:
     num_stages: int = 3
     dequant: str = "f32"
     n_fastest: bool = False
+    swap_ab: bool = False
 
 
 def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
@@ -286,6 +287,11 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
 
 
+def _weight_dot(x, w, swap_ab):
+    """x [m, kw] @ w [kw, n] -> [m, n], or its transpose w^T @ x^T -> [n, m] when swap_ab."""
+    return _dot(w.T, x.T) if swap_ab else _dot(x, w)
+
+
 _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 
 
@@ -297,7 +303,8 @@ def _grid(num_blocks, num_n_tiles, n_fastest, *rest):
     return (num_blocks, num_n_tiles, *rest), lambda: (pl.program_id(0), pl.program_id(1))
 
 
-def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block_kw, dequant, program_ids):
+def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block_kw, dequant, program_ids,
+                    swap_ab):
     """Program (row block b, I tile n): h[rows of b, cols of n] = silu(x @ gate) * up, fp32 accumulation.
 
     refs: route refs, x [M, D] nibble-major, w13_packed [E, D/8, 2, I], w13_scale [E, D/32, 2, I]
@@ -324,20 +331,24 @@ def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block
             for k in range(PACK):  # one nibble's tiles live at a time
                 x_k = plgpu.load(x_ref.at[token[:, None], (k * x_ref.shape[1] // PACK + words)[None, :]],
                                  mask=row_ok[:, None], other=0)
-                acc_gate += _dot(x_k, _dequantize_nibble(gate_packed, gate_scale, k, x_ref.dtype, dequant))
-                acc_up += _dot(x_k, _dequantize_nibble(up_packed, up_scale, k, x_ref.dtype, dequant))
+                acc_gate += _weight_dot(x_k, _dequantize_nibble(gate_packed, gate_scale, k, x_ref.dtype, dequant),
+                                        swap_ab)
+                acc_up += _weight_dot(x_k, _dequantize_nibble(up_packed, up_scale, k, x_ref.dtype, dequant),
+                                      swap_ab)
             return acc_gate, acc_up
 
-        zeros = jnp.zeros((block_m, block_n), jnp.float32)
+        zeros = jnp.zeros((block_n, block_m) if swap_ab else (block_m, block_n), jnp.float32)
         acc_gate, acc_up = jax.lax.fori_loop(0, w_ref.shape[1] // block_kw, k_step, (zeros, zeros))
         h = acc_gate / (1.0 + jnp.exp(-acc_gate)) * acc_up
+        h = h.T if swap_ab else h
         h_cols = n * block_n + jnp.arange(block_n)  # column 8j + k goes to k * I/8 + j
         h_cols = h_cols % PACK * (h_ref.shape[1] // PACK) + h_cols // PACK
         slots = b * block_m + jnp.arange(block_m)
         plgpu.store(h_ref.at[slots[:, None], h_cols[None, :]], h.astype(h_ref.dtype), mask=row_ok[:, None])
 
 
-def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps_per_split, dequant, program_ids):
+def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps_per_split, dequant, program_ids,
+                 swap_ab):
     """Program (row block b, D tile n, K split s): y[s, pairs of b, cols of n] = weight * (h @ down), fp32.
 
     refs: route refs, topk_weights [P] f32, h [rows, I] nibble-major, w2_packed [E, I/8, D], w2_scale [E, I/32, D]
@@ -360,12 +371,13 @@ def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps
             for k in range(PACK):
                 h_k = plgpu.load(h_ref.at[slots[:, None], (k * h_ref.shape[1] // PACK + words)[None, :]],
                                  mask=row_ok[:, None], other=0)
-                acc += _dot(h_k, _dequantize_nibble(packed, scale, k, h_ref.dtype, dequant))
+                acc += _weight_dot(h_k, _dequantize_nibble(packed, scale, k, h_ref.dtype, dequant), swap_ab)
             return acc
 
         first = split * steps_per_split
-        acc = jax.lax.fori_loop(first, first + steps_per_split, k_step,
-                                jnp.zeros((block_m, block_n), jnp.float32))
+        acc = jax.lax.fori_loop(first, first + steps_per_split, k_step, jnp.zeros(
+            (block_n, block_m) if swap_ab else (block_m, block_n), jnp.float32))
+        acc = acc.T if swap_ab else acc
         weight = plgpu.load(weight_ref.at[jnp.where(row_ok, pair, 0)], mask=row_ok, other=0.0)
         # Padding rows aim at distinct spare rows past the pairs: masked, so never written on the GPU, and
         # interpret mode's read-modify-write of a masked scatter cannot clobber a real row.
@@ -417,7 +429,8 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
         num_blocks = route.block_expert.shape[0]
     if layer is not None:  # rows of this layer in the flattened stack; off-shard/padding stays -1
         route = tuple(jnp.where((r >= 0) & (r < num_experts), r + stack_offset, -1) for r in route[:1]) + route[1:]
-    common = dict(per_pair=tiling.per_pair, num_experts=w13_packed.shape[0], block_m=bm, dequant=tiling.dequant)
+    common = dict(per_pair=tiling.per_pair, num_experts=w13_packed.shape[0], block_m=bm, dequant=tiling.dequant,
+                  swap_ab=tiling.swap_ab)
     params = plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
 
     grid, program_ids = _grid(num_blocks, i // tiling.block_n_gate_up, tiling.n_fastest)

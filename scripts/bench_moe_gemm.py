@@ -54,6 +54,28 @@ TILINGS = {  # named candidates; all use the PTX bf16x2 dequant; "_nf" = N tiles
                             dequant="asm"),
     "m32_n128_w8_nf": T(block_m=32, block_n_gate_up=128, block_n_down=256, num_warps=8, n_fastest=True,
                         dequant="asm"),
+    # "_swap": weights as the MMA's register operand (out^T = w^T x^T), so Triton emits wgmma
+    "m16_n64_swap_nf": T(block_m=16, n_fastest=True, swap_ab=True, dequant="asm"),
+    "m16_n64_kw16_swap_nf": T(block_m=16, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True,
+                              dequant="asm"),
+    "m32_n64_swap_nf": T(block_m=32, n_fastest=True, swap_ab=True, dequant="asm"),
+    "m32_n64_kw16_swap_nf": T(block_m=32, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True,
+                              dequant="asm"),
+    "m32_n64_kw16_s4_swap_nf": T(block_m=32, block_kw_gate_up=16, block_kw_down=16, num_stages=4, n_fastest=True,
+                                 swap_ab=True, dequant="asm"),
+    "m64_n64_kw16_swap_nf": T(block_m=64, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True,
+                              dequant="asm"),
+    "m64_n128_kw16_w8_swap_nf": T(block_m=64, block_n_gate_up=128, block_n_down=256, block_kw_gate_up=16,
+                                  block_kw_down=16, num_warps=8, n_fastest=True, swap_ab=True, dequant="asm"),
+}
+SWAP_RACE = {  # run 8: swapped-operand (wgmma) candidates against the current defaults
+    16: ("m16_n64_nf", "m16_n64_swap_nf", "m16_n64_kw16_swap_nf"),
+    128: ("m16_n64_nf", "m16_n64_swap_nf", "m16_n64_kw16_swap_nf", "m32_n64_kw16_swap_nf"),
+    256: ("m16_n64_nf", "m16_n64_swap_nf", "m16_n64_kw16_swap_nf", "m32_n64_kw16_swap_nf"),
+    512: ("m16_n64_nf", "m16_n64_swap_nf", "m16_n64_kw16_swap_nf", "m32_n64_kw16_swap_nf", "m32_n64_swap_nf"),
+    1024: ("m32_n64_nf", "m32_n64_swap_nf", "m32_n64_kw16_swap_nf", "m32_n64_kw16_s4_swap_nf",
+           "m64_n64_kw16_swap_nf"),
+    4096: ("m32_n128_w8_nf", "m64_n64_kw16_swap_nf", "m64_n128_kw16_w8_swap_nf"),
 }
 CANDIDATES = {  # raced per M (the wrapper's choose_tiling is set from these results)
     1: ("pair_n64", "pair_n64_kw16", "pair_n64_kw16_s4"),
@@ -182,7 +204,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=200.0, help="start no new case after this many s")
     parser.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse)")
+    parser.add_argument("--race", choices=("default", "swap"), default="default",
+                        help="candidate set per M: CANDIDATES (default) or SWAP_RACE")
     args = parser.parse_args()
+    candidates = SWAP_RACE if args.race == "swap" else CANDIDATES
     t_start = time.perf_counter()
     shapes = QUICK if args.quick else K26
     interpret = args.quick
@@ -216,7 +241,7 @@ def main():
         x = jax.random.normal(jax.random.fold_in(key, 10_000 + m), (m, d), jnp.float32).astype(jnp.bfloat16)
         routings[m] = (x.astype(jnp.float32) if args.quick else x, ids, weights)
         default = moe.fit_tiling(moe.choose_tiling(m, top_k, routings[m][0].dtype, interpret), d, i)
-        named = {} if args.quick else {name: moe.fit_tiling(TILINGS[name], d, i) for name in CANDIDATES.get(m, ())}
+        named = {} if args.quick else {name: moe.fit_tiling(TILINGS[name], d, i) for name in candidates.get(m, ())}
         if default not in named.values():
             named["default"] = default
         for name, tiling in named.items():

@@ -120,23 +120,28 @@ def test_fit_tiling_divides_dims_and_rejects_what_cannot():
         moe.fit_tiling(moe.Tiling(), 256, 64)  # 8 packed rows: no power-of-two K block >= 16 divides them
 
 
-SMALL_CASES = [  # (M, top_k, per_pair, block_m, split_k_down, n_fastest, dtype)
-    (1, 2, True, 16, 1, False, jnp.float32),
-    (3, 3, True, 16, 2, True, jnp.float32),
-    (17, 3, False, 16, 1, False, jnp.float32),
-    (64, 2, False, 32, 2, True, jnp.float32),
-    (300, 2, False, 16, 1, True, jnp.float32),
-    (17, 4, False, 16, 1, False, jnp.bfloat16),
+SMALL_CASES = [  # (M, top_k, per_pair, block_m, split_k_down, n_fastest, swap_ab, dtype)
+    (1, 2, True, 16, 1, False, False, jnp.float32),
+    (3, 3, True, 16, 2, True, False, jnp.float32),
+    (17, 3, False, 16, 1, False, False, jnp.float32),
+    (64, 2, False, 32, 2, True, False, jnp.float32),
+    (300, 2, False, 16, 1, True, False, jnp.float32),
+    (17, 4, False, 16, 1, False, False, jnp.bfloat16),
+    (3, 3, True, 16, 1, True, True, jnp.float32),
+    (64, 2, False, 32, 2, True, True, jnp.float32),
+    (300, 2, False, 64, 1, True, True, jnp.float32),
+    (17, 4, False, 16, 1, False, True, jnp.bfloat16),
 ]
 
 
-@pytest.mark.parametrize("num_tokens,top_k,per_pair,block_m,split_k,n_fastest,dtype", SMALL_CASES)
-def test_fused_moe_interpret_matches_reference(num_tokens, top_k, per_pair, block_m, split_k, n_fastest, dtype):
+@pytest.mark.parametrize("num_tokens,top_k,per_pair,block_m,split_k,n_fastest,swap_ab,dtype", SMALL_CASES)
+def test_fused_moe_interpret_matches_reference(num_tokens, top_k, per_pair, block_m, split_k, n_fastest, swap_ab,
+                                               dtype):
     packed, _ = small_experts()
     x = jnp.asarray(np.random.default_rng(num_tokens).normal(size=(num_tokens, 256)), dtype)
     ids, weights = random_routing(num_tokens + 1, num_tokens, top_k, num_ids=10)  # ragged, 8..9 off-set
     tiling = moe.Tiling(block_m=block_m, per_pair=per_pair, split_k_down=split_k, block_n_gate_up=64,
-                        block_n_down=64, n_fastest=n_fastest, dequant="f32")
+                        block_n_down=64, n_fastest=n_fastest, swap_ab=swap_ab, dequant="f32")
     y = moe.fused_moe(x, ids, weights, *packed, tiling=tiling, interpret=True)
     y_ref = moe.fused_moe_reference(x, ids, weights, *packed)
     assert y.shape == x.shape and y.dtype == x.dtype
@@ -219,7 +224,8 @@ def test_every_default_tiling_lowers_for_cuda(num_tokens):
         assert _lower_for_cuda(num_tokens, tiling, dtype) == 2
 
 
-@pytest.mark.parametrize("variant", [dict(split_k_down=2), dict(n_fastest=True), dict(n_fastest=False)])
+@pytest.mark.parametrize("variant", [dict(split_k_down=2), dict(n_fastest=True), dict(n_fastest=False),
+                                     dict(swap_ab=True), dict(swap_ab=True, block_m=64, block_kw_gate_up=16)])
 def test_tiling_variants_lower_for_cuda(variant):
     tiling = dataclasses.replace(moe.choose_tiling(64, 8), **variant)
     assert _lower_for_cuda(64, tiling) == 2
