@@ -90,7 +90,7 @@ CANDIDATES = {  # raced per M (the wrapper's choose_tiling is set from these res
     512: ("m16_n64_nf", "m16_n64_kw16_s4_nf", "m32_n64_kw16_nf", "m32_n64_kw16_s4_nf", "m16_n64_d64_nf",
           "m32_n64_d64_nf"),
     1024: ("m32_n64_nf", "m32_n64_kw16_nf", "m32_n64_kw16_s4_nf", "m16_n64_kw16_s4_nf", "m32_n64_d64_nf"),
-    4096: ("m32_n128_w8_nf", "m32_n64_kw16_s4_nf"),
+    4096: ("m64_n64_kw16_swap_nf", "m32_n128_w8_nf", "m32_n64_kw16_s4_nf"),
 }
 BASELINE_MS = (1, 16, 128, 1024)
 RAGGED_MS = (1, 16, 128)  # XLA lowers ragged_dot densely here (all experts): larger M runs out of memory
