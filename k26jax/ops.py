@@ -60,15 +60,20 @@ def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
     return int4_moe_gemm.fused_moe(*args, interpret=impls.interpret, layer=layer)
 
 
-def mla_attention(q_lat, q_rope, cache_layer, prefix_len, tail_rows, visibility, *, scale: float, impls: Impls):
-    """Absorbed MLA over a latent-cache prefix plus a tree tail. See pallas_kernels/tree_mla_attention.py."""
-    args = (q_lat, q_rope, cache_layer, prefix_len, tail_rows, visibility)
+def mla_attention(q_lat, q_rope, cache, prefix_len, tail_rows, visibility, *, scale: float, layer, impls: Impls):
+    """Absorbed MLA of layer `layer` over its latent-cache prefix plus a tree tail.
+
+    cache is the whole stack [L, C, S_max, R + P]: the kernels read the layer inside it, because a slice in
+    front of a custom call would copy the layer's cache (C * S_max * 1152 bytes) every layer of every step.
+    See pallas_kernels/tree_mla_attention.py.
+    """
+    args = (q_lat, q_rope, cache, prefix_len, tail_rows, visibility)
     if impls.attention == "reference":
-        return mla_kernel.tree_mla_attention_reference(*args, scale=scale)
+        return mla_kernel.tree_mla_attention_reference(*args, scale=scale, layer=layer)
     if impls.sharded:
         return mla_kernel.tree_mla_attention_sharded(impls.mesh, impl="pallas", interpret=impls.interpret)(
-            *args, scale=scale)
-    return mla_kernel.tree_mla_attention(*args, scale=scale, interpret=impls.interpret)
+            *args, scale=scale, layer=layer)
+    return mla_kernel.tree_mla_attention(*args, scale=scale, layer=layer, interpret=impls.interpret)
 
 
 def tree_build(logq, ids, budgets, *, max_budget: int, impls: Impls, **knobs):

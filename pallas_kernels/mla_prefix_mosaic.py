@@ -74,12 +74,12 @@ def _accumulate(acc, issue_dots, interpret):
   return pl.run_state(issue_dots)(plgpu.ACC.init(acc))
 
 
-def _kernel(prefix_len_ref, q_ref, cache_ref, o_ref, lse_ref, q_and_out, kv_smem, p_smem, row_smem,
+def _kernel(prefix_len_ref, cache_seq_ref, q_ref, cache_ref, o_ref, lse_ref, q_and_out, kv_smem, p_smem, row_smem,
             q_bar, kv_bars, consumed_bars, row_bar, p_bar, *, num_splits, qk_scale, interpret):
   m_blk, split, c, wg = (lax.axis_index(n) for n in ("m", "split", "c", "wg"))
   q_smem, (o_stage, lse_smem) = q_and_out
   rows = pl.ds(pl.multiple_of(m_blk * BLOCK_M, BLOCK_M), BLOCK_M)  # TMA tiling needs the alignment proven
-  prefix_len = prefix_len_ref[c]
+  prefix_len, seq = prefix_len_ref[c], cache_seq_ref[c]
   first, steps = split_steps(prefix_len, split, num_splits)
 
   @pl.when(wg == 2)
@@ -89,7 +89,7 @@ def _kernel(prefix_len_ref, q_ref, cache_ref, o_ref, lse_ref, q_and_out, kv_smem
     def load_block(i, slot):  # each half of the block has its own buffer and barrier (no sliced MMA operands)
       for half in range(2):
         start = pl.multiple_of((first + i) * BLOCK_K + half * HALF_K, HALF_K)
-        plgpu.copy_gmem_to_smem(cache_ref.at[c, pl.ds(start, HALF_K)], kv_smem.at[slot, half],
+        plgpu.copy_gmem_to_smem(cache_ref.at[seq, pl.ds(start, HALF_K)], kv_smem.at[slot, half],
                                 kv_bars.at[slot * 2 + half])
 
     @pl.when(steps > 0)
@@ -190,11 +190,16 @@ def _smem(shape, dtype, row_bytes):
 
 
 @functools.partial(jax.jit, static_argnames=["num_splits", "qk_scale", "interpret"])
-def mla_prefix_attention(q_CMD, cache, prefix_len, *, num_splits: int, qk_scale: float, interpret: bool = False):
+def mla_prefix_attention(q_CMD, cache, prefix_len, *, num_splits: int, qk_scale: float, cache_seq=None,
+                         interpret: bool = False):
   """Prefix partials on the GPU; arguments and results as in `mla_prefix_reference` (bf16 q and cache,
-  R = 512, P = 64). `interpret` runs Mosaic GPU's interpreter (CPU tests)."""
+  R = 512, P = 64). cache_seq [C] int32: the cache row holding sequence c (default c; `tree_mla_attention`
+  passes layer * C + c into a layer stack viewed as [L*C, S_max, 576]). `interpret` runs Mosaic GPU's
+  interpreter (CPU tests)."""
   C, M, D = q_CMD.shape
-  if D != LAT_DIM + ROPE_DIM or cache.shape[-1] != D or cache.shape[0] != C:
+  if cache_seq is not None and cache_seq.shape != (C,):
+    raise ValueError(f"cache_seq must be [C] = [{C}], got {cache_seq.shape}")
+  if D != LAT_DIM + ROPE_DIM or cache.shape[-1] != D or (cache_seq is None and cache.shape[0] != C):
     raise ValueError(f"q [C, M, {LAT_DIM + ROPE_DIM}] and cache [C, S_max, {LAT_DIM + ROPE_DIM}] expected, "
                      f"got {q_CMD.shape} and {cache.shape}")
   if q_CMD.dtype != jnp.bfloat16 or cache.dtype != jnp.bfloat16:
@@ -227,4 +232,6 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, *, num_splits: int, qk_scale:
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return kernel(prefix_len.astype(jnp.int32), q_CMD, cache)
+  if cache_seq is None:
+    cache_seq = jnp.arange(C, dtype=jnp.int32)
+  return kernel(prefix_len.astype(jnp.int32), cache_seq.astype(jnp.int32), q_CMD, cache)

@@ -54,7 +54,28 @@ def _check_args(q_lat, q_rope, cache, prefix_len, tail, visibility):
   return C, T, H, R, P
 
 
-def tree_mla_attention_reference(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float):
+def _check_layer(cache, layer):
+  """The cache one layer of which is read: [C, S_max, R + P] itself (layer None) or, for a traced or static
+  layer index, layer `layer` of the stack [L, C, S_max, R + P] (returned as an abstract [C, S_max, R + P])."""
+  if layer is None:
+    return cache
+  if cache.ndim != 4:
+    raise ValueError(f"with layer=, cache must be the stack [L, C, S_max, R + P], got shape {cache.shape}")
+  if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+    raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)}{jnp.shape(layer)}")
+  return jax.ShapeDtypeStruct(cache.shape[1:], cache.dtype)
+
+
+def _cache_rows(cache, layer, C):
+  """(cache as [L*C, S_max, R + P] -- a free reshape, no copy of the layer --, the row of sequence c [C] int32).
+  A slice of the stack in front of the kernel's custom call would copy the layer's whole cache every layer."""
+  if layer is None:
+    return cache, jnp.arange(C, dtype=jnp.int32)
+  L, _, S_max, D = cache.shape
+  return cache.reshape(L * C, S_max, D), jnp.asarray(layer, jnp.int32) * C + jnp.arange(C, dtype=jnp.int32)
+
+
+def tree_mla_attention_reference(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, layer=None):
   """Plain-jnp tree MLA attention.
 
   Args:
@@ -65,10 +86,14 @@ def tree_mla_attention_reference(q_lat, q_rope, cache, prefix_len, tail, visibil
     tail: [C, T, R + P] the tree tokens' own latent rows.
     visibility: [C, T, T] bool, visibility[c, t, u]: tree token t sees tail row u.
     scale: softmax scale (including the YaRN mscale).
+    layer: None, or an integer scalar (may be traced): cache is then the stack [L, C, S_max, R + P] of every
+      layer's cache and layer `layer` is read.
   Returns:
     o_lat [C, T, H, R] in q_lat.dtype; scores, softmax and sums in float32. A row that sees nothing is 0.
   """
-  C, T, H, R, P = _check_args(q_lat, q_rope, cache, prefix_len, tail, visibility)
+  C, T, H, R, P = _check_args(q_lat, q_rope, _check_layer(cache, layer), prefix_len, tail, visibility)
+  if layer is not None:
+    cache = lax.dynamic_index_in_dim(cache, layer, axis=0, keepdims=False)
   f32, out_dtype = jnp.float32, q_lat.dtype
   q_lat, q_rope = q_lat.astype(f32), q_rope.astype(f32)
   cache, tail = cache.astype(f32), tail.astype(f32)
@@ -142,11 +167,12 @@ def _store_partial(o_ref, lse_ref, index, row_slice, row_ok, carry, block_r):
   plgpu.store(lse_ref.at[(*index, row_slice)], jnp.where(seen, m + jnp.log2(l_safe), -jnp.inf), mask=row_ok)
 
 
-def _prefix_kernel(prefix_len_ref, q_lat_ref, q_rope_ref, cache_ref,  # inputs
+def _prefix_kernel(prefix_len_ref, cache_seq_ref, q_lat_ref, q_rope_ref, cache_ref,  # inputs
                    o_ref, lse_ref,  # outputs
                    *, num_rows, num_splits, block_m, block_k, block_r, qk_scale):
-  """Grid (m block, split, c). prefix_len [C]; q_lat [C, M, R], q_rope [C, M, P] (row = t * H + h);
-  cache [C, S_max, R+P] -> o [C, num_splits, M, R] float32, lse [C, num_splits, M] float32."""
+  """Grid (m block, split, c). prefix_len [C]; cache_seq [C]: cache row of sequence c; q_lat [C, M, R],
+  q_rope [C, M, P] (row = t * H + h); cache [rows, S_max, R+P] -> o [C, num_splits, M, R] float32,
+  lse [C, num_splits, M] float32."""
   lat_dim, rope_dim = q_lat_ref.shape[2], q_rope_ref.shape[2]
   m_blk, split, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   row_slice = pl.ds(m_blk * block_m, block_m)
@@ -160,7 +186,7 @@ def _prefix_kernel(prefix_len_ref, q_lat_ref, q_rope_ref, cache_ref,  # inputs
   def body(i, carry):
     start = (first + i) * block_k
     key_ok = start + jnp.arange(block_k) < prefix_len
-    keys = _load_rows(cache_ref, c, pl.ds(start, block_k), key_ok, lat_dim, rope_dim, block_r)
+    keys = _load_rows(cache_ref, cache_seq_ref[c], pl.ds(start, block_k), key_ok, lat_dim, rope_dim, block_r)
     return _attend_block(queries, keys, key_ok[None, :], carry, qk_scale)
 
   carry = lax.fori_loop(0, jnp.clip(num_blocks - first, 0, blocks_per_split), body,
@@ -234,7 +260,7 @@ def mosaic_prefix_fits(q_lat, cache):
           and (R, cache.shape[2] - R) == (mla_prefix_mosaic.LAT_DIM, mla_prefix_mosaic.ROPE_DIM))
 
 
-def _mosaic_prefix(q_lat_CMR, q_rope_CMP, cache, prefix_len, *, num_splits, qk_scale, interpret):
+def _mosaic_prefix(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, *, num_splits, qk_scale, interpret):
   """The prefix partials from `mla_prefix_mosaic` (64-row tiles, 64-key blocks, one CTA an SM); the query
   rows are padded to whole tiles (TMA boxes may not exceed the array) and the padding cut off again."""
   C, M, _ = q_lat_CMR.shape
@@ -244,7 +270,7 @@ def _mosaic_prefix(q_lat_CMR, q_rope_CMP, cache, prefix_len, *, num_splits, qk_s
   pad = [(0, 0), (0, pl.cdiv(M, mla_prefix_mosaic.BLOCK_M) * mla_prefix_mosaic.BLOCK_M - M), (0, 0)]
   q_CMD = jnp.pad(jnp.concatenate([q_lat_CMR, q_rope_CMP], axis=-1), pad)
   o, lse = mla_prefix_mosaic.mla_prefix_attention(q_CMD, cache, prefix_len, num_splits=num_splits,
-                                                  qk_scale=qk_scale, interpret=interpret)
+                                                  qk_scale=qk_scale, cache_seq=cache_seq, interpret=interpret)
   return o[:, :, :M], lse[:, :, :M]
 
 
@@ -253,8 +279,9 @@ def _mosaic_prefix(q_lat_CMR, q_rope_CMP, cache, prefix_len, *, num_splits, qk_s
 def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, block_m: int = 64,
                        block_k: int = 64, block_r: int | None = None, num_splits: int | None = None,
                        num_warps: int | None = None, num_stages: int = 2, prefix_kernel: str = "auto",
-                       interpret: bool = False):
+                       layer=None, interpret: bool = False):
   """Pallas-Triton tree MLA attention; arguments and result as in `tree_mla_attention_reference`.
+  With `layer`, the kernels read that layer inside the whole cache stack (no per-layer copy).
 
   Knobs: block_m query rows (tree token x head) per tile, clamped to T*H (at least 16); block_k
   prefix keys per step; block_r width of the latent chunks (default 256 for 64-row tiles, else R);
@@ -267,7 +294,8 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
   chunks for 64-row tiles (verify 42.5% of floor vs 34.5% for block_k 32 / 3 stages / whole latent), and
   whole latent for 16-row tiles (decode at 8 heads: 80.4%).
   """
-  C, T, H, R, P = _check_args(q_lat, q_rope, cache, prefix_len, tail, visibility)
+  C, T, H, R, P = _check_args(q_lat, q_rope, _check_layer(cache, layer), prefix_len, tail, visibility)
+  cache, cache_seq = _cache_rows(cache, layer, C)
   M, S_max = T * H, cache.shape[1]
   block_m = min(block_m, max(16, _pow2_at_least(M)))
   block_r = min(R, block_r or (256 if block_m >= 64 else R))
@@ -289,7 +317,7 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
     if not mosaic_prefix_fits(q_lat, cache):
       raise ValueError(f"prefix_kernel='mosaic' needs bf16 q and cache, (R, P) = (512, 64) and S_max % 8 == 0; "
                        f"got q_lat {q_lat.dtype}{q_lat.shape}, cache {cache.dtype}{cache.shape}")
-    o_prefix, lse_prefix = _mosaic_prefix(q_lat_CMR, q_rope_CMP, cache, prefix_len.astype(jnp.int32),
+    o_prefix, lse_prefix = _mosaic_prefix(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len.astype(jnp.int32),
                                           num_splits=num_splits, qk_scale=qk_scale, interpret=interpret)
   else:
     if num_splits is None:
@@ -302,7 +330,7 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
         out_shape=[jax.ShapeDtypeStruct((C, num_splits, M, R), jnp.float32),
                    jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)],
         compiler_params=params, interpret=interpret, name="tree_mla_prefix",
-    )(prefix_len.astype(jnp.int32), q_lat_CMR, q_rope_CMP, cache)
+    )(prefix_len.astype(jnp.int32), cache_seq, q_lat_CMR, q_rope_CMP, cache)
   o_tail, lse_tail = pl.pallas_call(
       functools.partial(_tail_kernel, num_heads=H, num_tokens=T, block_m=block_m,
                         block_t=max(16, min(block_k, _pow2_at_least(T))), block_r=block_r, qk_scale=qk_scale),
@@ -315,8 +343,9 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
 
 def tree_mla_attention_sharded(mesh, *, axis: str = "model", impl: str = "pallas", interpret: bool = False,
                                **block_knobs):
-  """Returns f(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale) with heads sharded over
-  mesh axis `axis` (shard_map); the latent cache, tail, lengths and visibility are replicated."""
+  """Returns f(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale, layer=None) with heads sharded
+  over mesh axis `axis` (shard_map); the latent cache (or its layer stack), tail, lengths, visibility and
+  layer are replicated."""
   if impl == "pallas":
     attention = functools.partial(tree_mla_attention, interpret=interpret, **block_knobs)
   elif impl == "reference":
@@ -330,12 +359,16 @@ def tree_mla_attention_sharded(mesh, *, axis: str = "model", impl: str = "pallas
   heads = PartitionSpec(None, None, axis, None)
   replicated = PartitionSpec()
 
-  def sharded_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float):
+  def sharded_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, layer=None):
     if q_lat.ndim != 4 or q_lat.shape[2] % mesh.shape[axis]:
       raise ValueError(f"q_lat heads (shape {q_lat.shape}) must divide over {mesh.shape[axis]} devices of {axis!r}")
-    return jax.shard_map(
-        functools.partial(attention, scale=scale), mesh=mesh,
-        in_specs=(heads, heads, replicated, replicated, replicated, replicated), out_specs=heads,
-        check_vma=False)(q_lat, q_rope, cache, prefix_len, tail, visibility)
+    args = (q_lat, q_rope, cache, prefix_len, tail, visibility)
+    if layer is None:
+      local = functools.partial(attention, scale=scale)
+    else:
+      args += (jnp.asarray(layer, jnp.int32),)
+      local = lambda *a: attention(*a[:-1], scale=scale, layer=a[-1])
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads) + (replicated,) * (len(args) - 2),
+                         out_specs=heads, check_vma=False)(*args)
 
   return sharded_attention

@@ -57,6 +57,18 @@ def test_tree_attention_with_mosaic_prefix(T, H, prefix_lens):
   assert rel_err(out, tree_mla_attention_reference(*f32, scale=0.05)) < 1e-2
 
 
+def test_layer_of_a_cache_stack():
+  """The Mosaic prefix reads layer `layer` inside a [L, C, S_max, 576] stack (rows layer * C + c)."""
+  q_lat, q_rope, _, prefix_len, tail, vis = make_inputs(4, 2, 32, R=mp.LAT_DIM, P=mp.ROPE_DIM, prefix_lens=[70, 3],
+                                                        S=136, dtype=jnp.bfloat16)
+  stack = bf16_normal(np.random.default_rng(5), 3, 2, 136, D)
+  out = tree_mla_attention(q_lat, q_rope, stack, prefix_len, tail, vis, scale=0.05, prefix_kernel="mosaic",
+                           layer=jnp.int32(2), interpret=True)
+  f32 = lambda a: a.astype(jnp.float32)
+  want = tree_mla_attention_reference(f32(q_lat), f32(q_rope), f32(stack[2]), prefix_len, f32(tail), vis, scale=0.05)
+  assert rel_err(out, want) < 1e-2
+
+
 def test_bad_arguments_raise():
   rng = np.random.default_rng(0)
   q, lens = bf16_normal(rng, 1, 64, D), jnp.asarray([5], jnp.int32)

@@ -113,8 +113,8 @@ def test_mla_naive_and_absorbed_match_numpy(tiny):
     assert rel_err(naive, ref) < 1e-5
     q_lat, q_pe = L.mla_absorbed_queries(attn, jnp.asarray(x), pos, cfg, rope)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((6, 6), bool)), (2, 6, 6))
-    o_lat = ops.mla_attention(q_lat, q_pe, jnp.zeros((2, 4, cfg.latent_dim)), jnp.zeros(2, jnp.int32), rows,
-                              causal, scale=cfg.softmax_scale, impls=IMPLS)
+    o_lat = ops.mla_attention(q_lat, q_pe, jnp.zeros((1, 2, 4, cfg.latent_dim)), jnp.zeros(2, jnp.int32), rows,
+                              causal, scale=cfg.softmax_scale, layer=0, impls=IMPLS)
     assert rel_err(L.mla_absorbed_output(attn, o_lat), ref) < 1e-5
 
 

@@ -124,8 +124,28 @@ def test_sharded_heads_equal_unsharded(impl):
   assert rel_err(out, tree_mla_attention_reference(*args, scale=SCALE)) < 1e-5
 
 
+def test_layer_of_a_cache_stack_equals_that_layers_cache():
+  """cache [L, C, S_max, R+P] with a traced layer index == that layer's own [C, S_max, R+P] cache, for the
+  reference, the kernels and the sharded form."""
+  q_lat, q_rope, _, prefix_len, tail, vis = make_inputs(8, 3, 8, prefix_lens=[0, 77, 100], S=100)
+  stack = jnp.asarray(np.random.default_rng(9).standard_normal((3, 3, 100, R + P)), jnp.float32)
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 8), ("data", "model"))
+  forms = {"reference": tree_mla_attention_reference,
+           "pallas": functools.partial(tree_mla_attention, interpret=True),
+           "sharded": tree_mla_attention_sharded(mesh, impl="pallas", interpret=True)}
+  for name, attention in forms.items():
+    run = jax.jit(lambda layer, f=attention: f(q_lat, q_rope, stack, prefix_len, tail, vis, scale=SCALE, layer=layer))
+    for layer in (1, 2):
+      want = tree_mla_attention_reference(q_lat, q_rope, stack[layer], prefix_len, tail, vis, scale=SCALE)
+      assert rel_err(run(jnp.int32(layer)), want) < 1e-5, (name, layer)
+
+
 def test_bad_arguments_raise():
   args = make_inputs(6, 2, 4, prefix_lens=[3], S=8)
+  with pytest.raises(ValueError, match="stack"):
+    tree_mla_attention_reference(*args, scale=SCALE, layer=0)  # a single layer's cache with layer=
+  with pytest.raises(ValueError, match="cache must be"):
+    tree_mla_attention(args[0], args[1], args[2][None], *args[3:], scale=SCALE, interpret=True)  # stack, no layer
   with pytest.raises(ValueError, match="tail"):
     tree_mla_attention_reference(*args[:4], args[4][:, :1], args[5], scale=SCALE)
   with pytest.raises(ValueError, match="visibility"):
@@ -163,6 +183,20 @@ def test_lowers_for_cuda(T, H, R_, P_, knobs, mosaic_calls):
         lowering_platforms=("cuda",)).as_text()
   assert hlo.count("@mosaic_gpu_v2(") == mosaic_calls
   assert hlo.count(plgpu.CUSTOM_CALL_TARGET_NAME) == 2 - mosaic_calls  # prefix and tail kernels
+
+
+@pytest.mark.parametrize("prefix_kernel", ["triton", "mosaic"])
+def test_cache_stack_is_read_in_place(prefix_kernel):
+  """With layer=, the kernels get the whole stack (reshaped, not sliced): no per-layer copy of the cache."""
+  L, C, T, H, S = 4, 2, 33, 8, 4096
+  bf16 = jnp.bfloat16
+  shapes = [((C, T, H, 512), bf16), ((C, T, H, 64), bf16), ((L, C, S, 576), bf16), ((C,), jnp.int32),
+            ((C, T, 576), bf16), ((C, T, T), jnp.bool_), ((), jnp.int32)]
+  args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+  attention = lambda *a: tree_mla_attention(*a[:-1], scale=SCALE, prefix_kernel=prefix_kernel, layer=a[-1])
+  with use_abstract_mesh(H200):
+    hlo = jax.jit(attention).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "dynamic_slice" not in hlo and "tensor<8x4096x576xbf16>" in hlo  # the [L*C, S, 576] view
 
 
 @pytest.mark.parametrize("programs,key_blocks,resident,want", [

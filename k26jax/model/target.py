@@ -145,8 +145,9 @@ def _split_experts(stack):
     return {**stack, "mlp": mlp}, {k: stack["mlp"][k] for k in EXPERT_KEYS}
 
 
-def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden_layer_ids=(), cache=None):
-    """Run every decoder layer. `attend(attn_params, x_normed, cache_layer) -> (attn_out, latent_rows)`.
+def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden_layer_ids=()):
+    """Run every decoder layer. `attend(attn_params, x_normed, layer) -> (attn_out, latent_rows)`, layer the
+    (traced) index of the decoder layer, so a cache can be read in place.
 
     Returns (h [B,T,D], latent rows [layers,B,T,R+Dr], hidden states [len(ids),B,T,D] of the requested layers).
     """
@@ -158,13 +159,11 @@ def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden
         xs = {"p": jax.tree.map(lambda a: a[first:first + count], scanned),
               "layer": layer0 + jnp.arange(count, dtype=jnp.int32),
               "index": first + jnp.arange(count, dtype=jnp.int32)}
-        if cache is not None:
-            xs["cache"] = cache[layer0:layer0 + count]
 
         def body(carry, xs, kind=kind, experts=experts):
             h, feats = carry
             p = xs["p"]
-            a, rows = attend(p["attn"], L.rms_norm(h, p["input_norm"], cfg.rms_norm_eps), xs.get("cache"))
+            a, rows = attend(p["attn"], L.rms_norm(h, p["input_norm"], cfg.rms_norm_eps), xs["layer"])
             h = h + a
             x = L.rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
             h = h + (L.swiglu_mlp(p["mlp"], x) if kind == "dense"
@@ -218,13 +217,12 @@ def forward_tail(params, cfg: ModelConfig, ids_BT, positions_BT, cache, prefix_l
     """
     rope = L.rope_inv_freq(cfg)
 
-    def attend(attn, x, cache_layer):
+    def attend(attn, x, layer):
         q_lat, q_pe = L.mla_absorbed_queries(attn, x, positions_BT, cfg, rope)
         rows = L.mla_latent_rows(attn, x, positions_BT, cfg, rope)
-        o_lat = ops.mla_attention(q_lat, q_pe, cache_layer, prefix_len_B, rows, visibility_BTT,
-                                  scale=cfg.softmax_scale, impls=impls)
+        o_lat = ops.mla_attention(q_lat, q_pe, cache, prefix_len_B, rows, visibility_BTT,
+                                  scale=cfg.softmax_scale, layer=layer, impls=impls)
         return L.mla_absorbed_output(attn, o_lat), rows
 
-    h, rows, feats = run_layers(params, cfg, embed_tokens(params, ids_BT), attend, impls, hidden_layer_ids,
-                                cache=cache)
+    h, rows, feats = run_layers(params, cfg, embed_tokens(params, ids_BT), attend, impls, hidden_layer_ids)
     return lm_logits(params, cfg, h), rows, feats
