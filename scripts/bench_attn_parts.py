@@ -1,0 +1,80 @@
+"""Where tree_mla_attention's time goes on the GPU: the whole call, its Mosaic prefix kernel alone (queries
+concatenated and padded as the wrapper does), the rest (Triton tail kernel, log-sum-exp merge, glue) as the
+difference, and the whole call at other prefix split counts.
+
+  PYTHONPATH=. python3 scripts/bench_attn_parts.py --out bench/results/attn_parts_h200.json --commit SHA
+"""
+import argparse
+import datetime
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import mla_prefix_mosaic, tree_mla_attention as attn
+from scripts.bench_verify_attn import (SCALE, compile_all, make_input_sets, measure_ceilings, num_sets_for, roofline,
+                                       seconds_per_call)
+
+POINTS = {  # (C, S, T, H): split counts to race besides the wrapper's choice
+    (8, 32768, 65, 8): (3, 5, 7, 12),
+    (8, 32768, 1, 64): (8, 12, 20),
+    (8, 32768, 65, 64): (),
+    (1, 8192, 65, 64): (1, 3, 4),
+    (16, 4096, 33, 64): (1, 2),
+    (1, 8192, 33, 64): (2, 4, 6),
+    (8, 1024, 65, 64): (1,),
+}
+
+
+def default_splits(C, S, T, H):
+  return attn.choose_num_splits(C * pl.cdiv(T * H, mla_prefix_mosaic.BLOCK_M),
+                                pl.cdiv(S, mla_prefix_mosaic.BLOCK_K), attn._NUM_SMS)
+
+
+def prefix_only(q_lat, q_rope, cache, prefix_len, tail, visibility, *, num_splits):
+  C, T, H, R = q_lat.shape
+  return attn._mosaic_prefix(q_lat.reshape(C, T * H, R), q_rope.reshape(C, T * H, -1), cache,
+                             jnp.arange(C, dtype=jnp.int32), prefix_len, num_splits=num_splits,
+                             qk_scale=SCALE * attn._LOG2E, interpret=False)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--commit", default="unknown")
+  args = parser.parse_args()
+  record = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.UTC).isoformat(),
+                commit=args.commit, command=" ".join(["PYTHONPATH=. python3", *sys.argv]), rows=[])
+  ceilings = measure_ceilings()
+  record.update(copy_tb_per_s=ceilings[0] / 1e12, matmul_tflops=ceilings[1] / 1e12)
+  jobs = {}
+  for point, splits in POINTS.items():
+    chosen = default_splits(*point)
+    jobs[(point, "prefix", chosen)] = (functools.partial(prefix_only, num_splits=chosen), point)
+    for n in (chosen, *splits):
+      jobs[(point, "whole", n)] = (functools.partial(attn.tree_mla_attention, scale=SCALE, num_splits=n), point)
+  compiled = compile_all(jobs)
+  for point in POINTS:
+    arg_sets = make_input_sets(*point, num_sets_for(*point))
+    _, _, floor, _ = roofline(*point, arg_sets[0][5], ceilings)
+    for (p, part, n), fn in compiled.items():
+      if p != point:
+        continue
+      row = dict(C=point[0], prefix=point[1], T=point[2], H=point[3], part=part, num_splits=n,
+                 default_splits=n == default_splits(*point), floor_s=floor)
+      if isinstance(fn, Exception):
+        row["error"] = f"{type(fn).__name__}: {str(fn)[:200]}"
+      else:
+        row["time_s"] = seconds_per_call(fn, arg_sets)
+        row["pct_of_floor"] = 100 * floor / row["time_s"]
+      record["rows"].append(row)
+      print(json.dumps(row), flush=True)
+    del arg_sets
+    json.dump(record, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+  main()
