@@ -1,8 +1,11 @@
-"""Prefix part of tree MLA attention as a warp-specialised Mosaic GPU kernel (Hopper, bf16).
+"""Tree MLA attention as a warp-specialised Mosaic GPU kernel (Hopper, bf16): the prefix splits, the last of
+which also takes the tree tail.
 
-Same contract as the Triton prefix kernel in `tree_mla_attention.py`: for each sequence c, prefix split and
-64-row tile of the T*H query rows, attend over that split's cache rows and write the normalised partial
-output and its base-2 log-sum-exp; `tree_mla_attention` merges them with the tail.
+For each sequence c, prefix split and 64-row tile of the T*H query rows, attend over that split's cache rows
+(and, in the last split, over the tail rows each query row sees) and write the normalised partial output and
+its base-2 log-sum-exp; `tree_mla_attention` merges the splits (nothing to merge with one split). Doing the
+tail here instead of in a second kernel saves its launch, its partial output and a merge operand: 10-36% of
+the whole call at small and mid sizes (bench/verify_attn.md, run 7).
 
 Why a second backend: with a 576-wide key and a 512-wide value a 64-row tile needs a 64 x 512 fp32
 accumulator, so two warpgroups must share the rows and split the value columns. Triton then makes both
@@ -17,6 +20,8 @@ probabilities through shared memory (FlashMLA's scheme), so no MMA is repeated:
     O_w = O_w * exp2(m_old - m) + P V[:, 256w:256w+256]   [64, 256]  (K = 64)
   warpgroup 2 streams Q once and the [64, 576] key blocks through a 2-stage TMA ring.
 Each warpgroup keeps the running sum of its own keys' probabilities; the two are added at the end.
+Tail blocks come from the tail rows (padded to whole blocks); which of them a query row sees comes as one
+32-bit word per row and half block (`tail_visibility_bits`), tested bit by bit against the key column.
 """
 import functools
 
@@ -43,22 +48,39 @@ def split_steps(prefix_len, split, num_splits):
   return first, jnp.clip(num_blocks - first, 0, per_split)
 
 
-def mla_prefix_reference(q_CMD, cache, prefix_len, *, num_splits, qk_scale):
-  """float32 prefix partials. q_CMD [C, M, 576] (q_lat | q_rope); cache [C, S_max, 576]; prefix_len [C].
-  qk_scale: softmax scale times log2(e). Returns o [C, splits, M, 512] (normalised, 0 where a split is
-  empty) and lse [C, splits, M] (base 2, -inf where empty)."""
+def tail_visibility_bits(tail_visible_CMT, num_rows):
+  """bool [C, M, T] -> int32 [C, ceil(T / 32), num_rows]: bit j of word [c, b, r] is whether query row r sees
+  tail row 32 b + j (query rows zero-padded to num_rows)."""
+  C, M, T = tail_visible_CMT.shape
+  num_words = pl.cdiv(T, 32)
+  padded = jnp.pad(tail_visible_CMT, [(0, 0), (0, num_rows - M), (0, num_words * 32 - T)])
+  bits = padded.reshape(C, num_rows, num_words, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+  words = jnp.sum(bits, axis=-1, dtype=jnp.uint32)  # disjoint bits: the sum is their OR
+  return lax.bitcast_convert_type(words, jnp.int32).transpose(0, 2, 1)
+
+
+def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, num_splits, qk_scale):
+  """float32 partials. q_CMD [C, M, 576] (q_lat | q_rope); cache [C, S_max, 576]; prefix_len [C];
+  tail [C, T, 576]; tail_visible_CMT [C, M, T] bool: the tail rows each query row sees (last split only).
+  qk_scale: softmax scale times log2(e). Returns o [C, splits, M, 512] (normalised, 0 where a split saw
+  nothing) and lse [C, splits, M] (base 2, -inf where it saw nothing)."""
   f32, hi = jnp.float32, lax.Precision.HIGHEST
-  s_CMS = jnp.einsum("cmd,csd->cms", q_CMD.astype(f32), cache.astype(f32), precision=hi) * qk_scale
+  C, M, _ = q_CMD.shape
+  keys = jnp.concatenate([cache, tail], axis=1).astype(f32)
+  s_CMK = jnp.einsum("cmd,ckd->cmk", q_CMD.astype(f32), keys, precision=hi) * qk_scale
   key_block = jnp.arange(cache.shape[1]) // BLOCK_K
   first, steps = jax.vmap(lambda n: split_steps(n, jnp.arange(num_splits), num_splits))(prefix_len)
   in_split_CNS = ((key_block >= first[..., None]) & (key_block < (first + steps)[..., None])
                   & (jnp.arange(cache.shape[1]) < prefix_len[:, None, None]))
-  s_CNMS = jnp.where(in_split_CNS[:, :, None, :], s_CMS[:, None], -jnp.inf)
-  m_CNM = jnp.max(s_CNMS, axis=-1)
+  last = (jnp.arange(num_splits) == num_splits - 1)[None, :, None, None]
+  visible_CNMK = jnp.concatenate([jnp.broadcast_to(in_split_CNS[:, :, None, :], (C, num_splits, M, cache.shape[1])),
+                                  last & tail_visible_CMT[:, None]], axis=-1)
+  s_CNMK = jnp.where(visible_CNMK, s_CMK[:, None], -jnp.inf)
+  m_CNM = jnp.max(s_CNMK, axis=-1)
   m_safe = jnp.where(jnp.isfinite(m_CNM), m_CNM, 0.0)
-  p_CNMS = jnp.exp2(s_CNMS - m_safe[..., None])
-  l_CNM = p_CNMS.sum(-1)
-  o = jnp.einsum("cnms,csr->cnmr", p_CNMS, cache[..., :LAT_DIM].astype(f32), precision=hi)
+  p_CNMK = jnp.exp2(s_CNMK - m_safe[..., None])
+  l_CNM = p_CNMK.sum(-1)
+  o = jnp.einsum("cnmk,ckr->cnmr", p_CNMK, keys[..., :LAT_DIM], precision=hi)
   o = o / jnp.where(l_CNM > 0, l_CNM, 1.0)[..., None]
   return o, jnp.where(l_CNM > 0, m_safe + jnp.log2(jnp.where(l_CNM > 0, l_CNM, 1.0)), -jnp.inf)
 
@@ -74,13 +96,17 @@ def _accumulate(acc, issue_dots, interpret):
   return pl.run_state(issue_dots)(plgpu.ACC.init(acc))
 
 
-def _kernel(prefix_len_ref, cache_seq_ref, q_ref, cache_ref, o_ref, lse_ref, q_and_out, kv_smem, p_smem, row_smem,
-            q_bar, kv_bars, consumed_bars, row_bar, p_bar, *, num_splits, qk_scale, interpret):
+def _kernel(prefix_len_ref, cache_seq_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref, q_and_out, kv_smem,
+            p_smem, row_smem, q_bar, bits_bar, kv_bars, consumed_bars, row_bar, p_bar, *, num_splits,
+            num_tail, qk_scale, interpret):
   m_blk, split, c, wg = (lax.axis_index(n) for n in ("m", "split", "c", "wg"))
   q_smem, (o_stage, lse_smem) = q_and_out
+  bits_smem = row_smem.at[pl.ds(2, row_smem.shape[0] - 2)]  # the tail's visibility words, as float32 bits
   rows = pl.ds(pl.multiple_of(m_blk * BLOCK_M, BLOCK_M), BLOCK_M)  # TMA tiling needs the alignment proven
   prefix_len, seq = prefix_len_ref[c], cache_seq_ref[c]
-  first, steps = split_steps(prefix_len, split, num_splits)
+  first, steps = split_steps(prefix_len, split, num_splits)  # key blocks [0, steps) come from the cache
+  tail_steps = jnp.where(split == num_splits - 1, tail_ref.shape[1] // BLOCK_K, 0)  # then the tail's blocks
+  total = steps + tail_steps
 
   @pl.when(wg == 2)
   def _memory_warpgroup():
@@ -88,24 +114,36 @@ def _kernel(prefix_len_ref, cache_seq_ref, q_ref, cache_ref, o_ref, lse_ref, q_a
 
     def load_block(i, slot):  # each half of the block has its own buffer and barrier (no sliced MMA operands)
       for half in range(2):
-        start = pl.multiple_of((first + i) * BLOCK_K + half * HALF_K, HALF_K)
-        plgpu.copy_gmem_to_smem(cache_ref.at[seq, pl.ds(start, HALF_K)], kv_smem.at[slot, half],
-                                kv_bars.at[slot * 2 + half])
+        dst, bar = kv_smem.at[slot, half], kv_bars.at[slot * 2 + half]
 
-    @pl.when(steps > 0)
+        @pl.when(i < steps)
+        def _():
+          start = pl.multiple_of((first + i) * BLOCK_K + half * HALF_K, HALF_K)
+          plgpu.copy_gmem_to_smem(cache_ref.at[seq, pl.ds(start, HALF_K)], dst, bar)
+
+        @pl.when(i >= steps)
+        def _():
+          start = pl.multiple_of((i - steps) * BLOCK_K + half * HALF_K, HALF_K)
+          plgpu.copy_gmem_to_smem(tail_ref.at[c, pl.ds(start, HALF_K)], dst, bar)
+
+    @pl.when(total > 0)
     def _():
       plgpu.copy_gmem_to_smem(q_ref.at[c, rows], q_smem, q_bar)
 
-    for i in range(STAGES):
-      pl.when(i < steps)(functools.partial(load_block, i, i))
+    @pl.when(tail_steps > 0)
+    def _():
+      plgpu.copy_gmem_to_smem(bits_ref.at[c, :, rows], bits_smem, bits_bar)
 
-    @pl.loop(0, steps - STAGES)
+    for i in range(STAGES):
+      pl.when(i < total)(functools.partial(load_block, i, i))
+
+    @pl.loop(0, total - STAGES)
     def _refill(i):
       slot = lax.rem(i, STAGES)
       plgpu.barrier_wait(consumed_bars.at[slot])
       load_block(i + STAGES, slot)
 
-    @pl.loop(jnp.maximum(steps - STAGES, 0), steps)
+    @pl.loop(jnp.maximum(total - STAGES, 0), total)
     def _drain(i):  # observe every phase of the barriers this warpgroup waits on (the interpreter checks)
       plgpu.barrier_wait(consumed_bars.at[lax.rem(i, STAGES)])
 
@@ -130,13 +168,20 @@ def _kernel(prefix_len_ref, cache_seq_ref, q_ref, cache_ref, o_ref, lse_ref, q_a
         return acc_ref[...]
 
       s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, HALF_K), jnp.float32))
-      key = (first + i) * BLOCK_K + w * HALF_K + plgpu.broadcasted_iota(
-          jnp.int32, (BLOCK_M, HALF_K), 1, layout=plgpu.Layout.WGMMA)
-      s = jnp.where(key < prefix_len, s * qk_scale, -jnp.inf)
+      col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, HALF_K), 1, layout=plgpu.Layout.WGMMA)
+      in_prefix = (first + i) * BLOCK_K + w * HALF_K + col < prefix_len
+      half_block = jnp.maximum(i - steps, 0) * 2 + w  # of the tail; its word, if any key in it is a tail row
+      word = lax.bitcast_convert_type(plgpu.load(bits_smem.at[jnp.minimum(half_block, bits_smem.shape[0] - 1)],
+                                                 layout=_ROW, optimized=False), jnp.int32)
+      in_tail = ((lax.shift_right_logical(lax.broadcast_in_dim(word, s.shape, [0]), col) & 1 != 0)
+                 & (half_block * HALF_K + col < num_tail))
+      prefix_block = col < jnp.where(i < steps, HALF_K, 0)  # all true or all false (no scalar-predicate select)
+      s = jnp.where(jnp.where(prefix_block, in_prefix, in_tail), s * qk_scale, -jnp.inf)
       m0, m1 = exchange(s.max(axis=1))
-      m_next = jnp.maximum(m_prev, jnp.maximum(m0, m1))  # finite: every block has a valid key
-      alpha = jnp.exp2(m_prev - m_next)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
+      m_next = jnp.maximum(m_prev, jnp.maximum(m0, m1))
+      m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen no key yet (tail blocks)
+      alpha = jnp.exp2(m_prev - m_safe)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
       l_next = l_prev * alpha + p.sum(axis=1)
       p_smem[w] = p.astype(p_smem.dtype)
       plgpu.commit_smem()
@@ -153,14 +198,18 @@ def _kernel(prefix_len_ref, cache_seq_ref, q_ref, cache_ref, o_ref, lse_ref, q_a
       plgpu.barrier_arrive(consumed_bars.at[slot])
       return acc, m_next, l_next
 
-    @pl.when(steps > 0)
+    @pl.when(total > 0)
     def _():
       plgpu.barrier_wait(q_bar)
+
+    @pl.when(tail_steps > 0)
+    def _():
+      plgpu.barrier_wait(bits_bar)
 
     carry = (plgpu.layout_cast(jnp.zeros((BLOCK_M, HALF_R), jnp.float32), plgpu.Layout.WGMMA),
              plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), _ROW),
              plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), _ROW))
-    acc, m, l_own = lax.fori_loop(0, steps, step, carry)
+    acc, m, l_own = lax.fori_loop(0, total, step, carry)
     l0, l1 = exchange(l_own)  # also orders every read of q_smem before o_stage (its alias) is written
     l = l0 + l1
     seen = l > 0
@@ -190,13 +239,19 @@ def _smem(shape, dtype, row_bytes):
 
 
 @functools.partial(jax.jit, static_argnames=["num_splits", "qk_scale", "interpret"])
-def mla_prefix_attention(q_CMD, cache, prefix_len, *, num_splits: int, qk_scale: float, cache_seq=None,
-                         interpret: bool = False):
-  """Prefix partials on the GPU; arguments and results as in `mla_prefix_reference` (bf16 q and cache,
+def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, num_splits: int, qk_scale: float,
+                         cache_seq=None, interpret: bool = False):
+  """Split partials on the GPU; arguments and results as in `mla_prefix_reference` (bf16 q, cache and tail,
   R = 512, P = 64). cache_seq [C] int32: the cache row holding sequence c (default c; `tree_mla_attention`
   passes layer * C + c into a layer stack viewed as [L*C, S_max, 576]). `interpret` runs Mosaic GPU's
   interpreter (CPU tests)."""
   C, M, D = q_CMD.shape
+  T = tail.shape[1]
+  if tail.shape != (C, T, D) or tail.dtype != jnp.bfloat16:
+    raise ValueError(f"tail must be bf16 [C, T, {D}] = [{C}, T, {D}], got {tail.dtype}{tail.shape}")
+  if tail_visible_CMT.shape != (C, M, T) or tail_visible_CMT.dtype != jnp.bool_:
+    raise ValueError(f"tail_visible must be bool [C, M, T] = [{C}, {M}, {T}], "
+                     f"got {tail_visible_CMT.dtype}{tail_visible_CMT.shape}")
   if cache_seq is not None and cache_seq.shape != (C,):
     raise ValueError(f"cache_seq must be [C] = [{C}], got {cache_seq.shape}")
   if D != LAT_DIM + ROPE_DIM or cache.shape[-1] != D or (cache_seq is None and cache.shape[0] != C):
@@ -208,21 +263,27 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, *, num_splits: int, qk_scale:
     raise ValueError(f"q rows ({M}) must be a multiple of {BLOCK_M} and cache rows ({cache.shape[1]}) of 8 "
                      "(TMA tiles; tree_mla_attention pads the queries)")
   dtype = q_CMD.dtype
+  num_tail_rows = pl.cdiv(T, BLOCK_K) * BLOCK_K  # whole key blocks, so every TMA box is in bounds
+  tail = jnp.pad(tail, [(0, 0), (0, num_tail_rows - T), (0, 0)])
+  bits = lax.bitcast_convert_type(tail_visibility_bits(tail_visible_CMT, M), jnp.float32)  # TMA copies bytes
   scratch = [  # swizzled buffers first: a barrier placed between them costs a 1 KB alignment gap
       # q_smem (swizzled as kv_smem: one wgmma wants one swizzle); dead after the key loop, then the output stage
       plgpu.RefUnion(_smem((BLOCK_M, D), dtype, 64),
                      (_smem((2, 2, BLOCK_M, EPI_N), jnp.float32, 128), plgpu.SMEM((BLOCK_M,), jnp.float32))),
       _smem((STAGES, 2, HALF_K, D), dtype, 64),  # kv_smem [slot, half block]; 32-key MMA operands need 64 B swizzle
       _smem((2, BLOCK_M, HALF_K), dtype, HALF_K * 2),  # p_smem
-      plgpu.SMEM((2, BLOCK_M), jnp.float32),  # row_smem
+      # row_smem: [2] the row exchange, [2 + half tail block] the visibility words (one buffer: each
+      # allocation is 1 KB aligned, and two would not fit beside the rest for T = 129)
+      plgpu.SMEM((2 + pl.cdiv(T, 32), BLOCK_M), jnp.float32),
       plgpu.Barrier(),  # q_bar
+      plgpu.Barrier(),  # bits_bar
       plgpu.Barrier(num_barriers=STAGES * 2),  # kv_bars: [slot * 2 + half]
       plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # consumed_bars
       plgpu.Barrier(num_arrivals=2),  # row_bar: the row exchange
       plgpu.Barrier(num_arrivals=2),  # p_bar
   ]
   kernel = plgpu.kernel(
-      functools.partial(_kernel, num_splits=num_splits, qk_scale=qk_scale, interpret=interpret),
+      functools.partial(_kernel, num_splits=num_splits, num_tail=T, qk_scale=qk_scale, interpret=interpret),
       out_type=(jax.ShapeDtypeStruct((C, num_splits, M, LAT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)),
       scratch_types=scratch,
@@ -234,4 +295,4 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, *, num_splits: int, qk_scale:
   )
   if cache_seq is None:
     cache_seq = jnp.arange(C, dtype=jnp.int32)
-  return kernel(prefix_len.astype(jnp.int32), cache_seq.astype(jnp.int32), q_CMD, cache)
+  return kernel(prefix_len.astype(jnp.int32), cache_seq.astype(jnp.int32), q_CMD, cache, tail, bits)

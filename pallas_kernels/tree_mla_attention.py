@@ -12,9 +12,10 @@ block_m (token, head) rows shares every key block and the dots run on tensor cor
 kernel splits each sequence's prefix into `num_splits` ranges (flash-decoding); the tail kernel
 attends over the tree rows under the ancestor mask. Each program writes a normalised partial output
 and its base-2 log-sum-exp; an exact log-sum-exp merge in XLA combines them.
-Two prefix kernels: the Pallas-Triton one below, and a warp-specialised Pallas Mosaic GPU one
-(`mla_prefix_mosaic.py`), which does not repeat the score MMA in both warpgroups and is the default where
-it fits (1.7x faster for tree verify on the H200, bench/verify_attn.md). The tail kernel is Triton.
+Two backends: the Pallas-Triton prefix and tail kernels below, and a warp-specialised Pallas Mosaic GPU
+kernel (`mla_prefix_mosaic.py`) that does the prefix splits and, in its last split, the tail. It does not
+repeat the score MMA in both warpgroups and is the default where it fits (1.7x faster for tree verify on
+the H200, bench/verify_attn.md).
 """
 import functools
 import math
@@ -218,14 +219,22 @@ def _tail_kernel(q_lat_ref, q_rope_ref, tail_ref, vis_ref,  # inputs
   _store_partial(o_ref, lse_ref, (c,), row_slice, row_ok, carry, block_r)
 
 
-def _merge_partials(o_prefix_CNMR, lse_prefix_CNM, o_tail_CMR, lse_tail_CM):
-  """Exact log-sum-exp (base 2) merge of normalised partial outputs -> [C, M, R] float32."""
-  m_CM = jnp.maximum(jnp.max(lse_prefix_CNM, axis=1), lse_tail_CM)
+def _merge_partials(o_CNMR, lse_CNM, o_tail_CMR=None, lse_tail_CM=None):
+  """Exact log-sum-exp (base 2) merge of N normalised partial outputs and an optional tail partial
+  -> [C, M, R] float32. A single partial is the output itself."""
+  if o_tail_CMR is None and o_CNMR.shape[1] == 1:
+    return o_CNMR[:, 0]
+  m_CM = jnp.max(lse_CNM, axis=1)
+  if lse_tail_CM is not None:
+    m_CM = jnp.maximum(m_CM, lse_tail_CM)
   m_CM = jnp.where(jnp.isfinite(m_CM), m_CM, 0.0)
-  w_prefix_CNM = jnp.exp2(lse_prefix_CNM - m_CM[:, None])
-  w_tail_CM = jnp.exp2(lse_tail_CM - m_CM)
-  w_sum_CM = jnp.sum(w_prefix_CNM, axis=1) + w_tail_CM
-  o_CMR = jnp.sum(w_prefix_CNM[..., None] * o_prefix_CNMR, axis=1) + w_tail_CM[..., None] * o_tail_CMR
+  w_CNM = jnp.exp2(lse_CNM - m_CM[:, None])
+  w_sum_CM = jnp.sum(w_CNM, axis=1)
+  o_CMR = jnp.sum(w_CNM[..., None] * o_CNMR, axis=1)
+  if o_tail_CMR is not None:
+    w_tail_CM = jnp.exp2(lse_tail_CM - m_CM)
+    w_sum_CM += w_tail_CM
+    o_CMR += w_tail_CM[..., None] * o_tail_CMR
   return o_CMR / jnp.where(w_sum_CM > 0, w_sum_CM, 1.0)[..., None]
 
 
@@ -260,17 +269,22 @@ def mosaic_prefix_fits(q_lat, cache):
           and (R, cache.shape[2] - R) == (mla_prefix_mosaic.LAT_DIM, mla_prefix_mosaic.ROPE_DIM))
 
 
-def _mosaic_prefix(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, *, num_splits, qk_scale, interpret):
-  """The prefix partials from `mla_prefix_mosaic` (64-row tiles, 64-key blocks, one CTA an SM); the query
-  rows are padded to whole tiles (TMA boxes may not exceed the array) and the padding cut off again."""
+def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, tail, visibility, *, num_splits, qk_scale,
+                      interpret):
+  """The split partials from `mla_prefix_mosaic` (64-row tiles, 64-key blocks, one CTA an SM; the last split
+  also attends to the tail); the query rows are padded to whole tiles (TMA boxes may not exceed the array)
+  and the padding cut off again."""
   C, M, _ = q_lat_CMR.shape
+  T = tail.shape[1]
   if num_splits is None:
     num_splits = choose_num_splits(C * pl.cdiv(M, mla_prefix_mosaic.BLOCK_M),
                                    pl.cdiv(cache.shape[1], mla_prefix_mosaic.BLOCK_K), _NUM_SMS)
   pad = [(0, 0), (0, pl.cdiv(M, mla_prefix_mosaic.BLOCK_M) * mla_prefix_mosaic.BLOCK_M - M), (0, 0)]
   q_CMD = jnp.pad(jnp.concatenate([q_lat_CMR, q_rope_CMP], axis=-1), pad)
-  o, lse = mla_prefix_mosaic.mla_prefix_attention(q_CMD, cache, prefix_len, num_splits=num_splits,
-                                                  qk_scale=qk_scale, cache_seq=cache_seq, interpret=interpret)
+  tail_visible_CMT = jnp.pad(jnp.repeat(visibility, M // T, axis=1), pad[:2] + [(0, 0)])  # row t * H + h: token t
+  o, lse = mla_prefix_mosaic.mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT,
+                                                  num_splits=num_splits, qk_scale=qk_scale, cache_seq=cache_seq,
+                                                  interpret=interpret)
   return o[:, :, :M], lse[:, :, :M]
 
 
@@ -317,20 +331,20 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
     if not mosaic_prefix_fits(q_lat, cache):
       raise ValueError(f"prefix_kernel='mosaic' needs bf16 q and cache, (R, P) = (512, 64) and S_max % 8 == 0; "
                        f"got q_lat {q_lat.dtype}{q_lat.shape}, cache {cache.dtype}{cache.shape}")
-    o_prefix, lse_prefix = _mosaic_prefix(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len.astype(jnp.int32),
-                                          num_splits=num_splits, qk_scale=qk_scale, interpret=interpret)
-  else:
-    if num_splits is None:
-      resident = _NUM_SMS * (1 if block_m >= 64 else 2)  # 64-row tiles fill an SM's shared memory
-      num_splits = choose_num_splits(C * num_m_blocks, pl.cdiv(S_max, block_k), resident)
-    o_prefix, lse_prefix = pl.pallas_call(
-        functools.partial(_prefix_kernel, num_rows=M, num_splits=num_splits, block_m=block_m, block_k=block_k,
-                          block_r=block_r, qk_scale=qk_scale),
-        grid=(num_m_blocks, num_splits, C),
-        out_shape=[jax.ShapeDtypeStruct((C, num_splits, M, R), jnp.float32),
-                   jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)],
-        compiler_params=params, interpret=interpret, name="tree_mla_prefix",
-    )(prefix_len.astype(jnp.int32), cache_seq, q_lat_CMR, q_rope_CMP, cache)
+    o_CNMR, lse_CNM = _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len.astype(jnp.int32), tail,
+                                        visibility, num_splits=num_splits, qk_scale=qk_scale, interpret=interpret)
+    return _merge_partials(o_CNMR, lse_CNM).reshape(C, T, H, R).astype(q_lat.dtype)
+  if num_splits is None:
+    resident = _NUM_SMS * (1 if block_m >= 64 else 2)  # 64-row tiles fill an SM's shared memory
+    num_splits = choose_num_splits(C * num_m_blocks, pl.cdiv(S_max, block_k), resident)
+  o_prefix, lse_prefix = pl.pallas_call(
+      functools.partial(_prefix_kernel, num_rows=M, num_splits=num_splits, block_m=block_m, block_k=block_k,
+                        block_r=block_r, qk_scale=qk_scale),
+      grid=(num_m_blocks, num_splits, C),
+      out_shape=[jax.ShapeDtypeStruct((C, num_splits, M, R), jnp.float32),
+                 jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)],
+      compiler_params=params, interpret=interpret, name="tree_mla_prefix",
+  )(prefix_len.astype(jnp.int32), cache_seq, q_lat_CMR, q_rope_CMP, cache)
   o_tail, lse_tail = pl.pallas_call(
       functools.partial(_tail_kernel, num_heads=H, num_tokens=T, block_m=block_m,
                         block_t=max(16, min(block_k, _pow2_at_least(T))), block_r=block_r, qk_scale=qk_scale),

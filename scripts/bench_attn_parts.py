@@ -1,5 +1,5 @@
-"""Where tree_mla_attention's time goes on the GPU: the whole call, its Mosaic prefix kernel alone (queries
-concatenated and padded as the wrapper does), the rest (Triton tail kernel, log-sum-exp merge, glue) as the
+"""Where tree_mla_attention's time goes on the GPU: the whole call, its Mosaic kernel alone (prefix splits and
+the tail; queries concatenated and padded as the wrapper does), the rest (log-sum-exp merge, glue) as the
 difference, and the whole call at other prefix split counts.
 
   PYTHONPATH=. python3 scripts/bench_attn_parts.py --out bench/results/attn_parts_h200.json --commit SHA
@@ -34,11 +34,11 @@ def default_splits(C, S, T, H):
                                 pl.cdiv(S, mla_prefix_mosaic.BLOCK_K), attn._NUM_SMS)
 
 
-def prefix_only(q_lat, q_rope, cache, prefix_len, tail, visibility, *, num_splits):
+def kernel_only(q_lat, q_rope, cache, prefix_len, tail, visibility, *, num_splits):
   C, T, H, R = q_lat.shape
-  return attn._mosaic_prefix(q_lat.reshape(C, T * H, R), q_rope.reshape(C, T * H, -1), cache,
-                             jnp.arange(C, dtype=jnp.int32), prefix_len, num_splits=num_splits,
-                             qk_scale=SCALE * attn._LOG2E, interpret=False)
+  return attn._mosaic_attention(q_lat.reshape(C, T * H, R), q_rope.reshape(C, T * H, -1), cache,
+                                jnp.arange(C, dtype=jnp.int32), prefix_len, tail, visibility, num_splits=num_splits,
+                                qk_scale=SCALE * attn._LOG2E, interpret=False)
 
 
 def main():
@@ -53,7 +53,7 @@ def main():
   jobs = {}
   for point, splits in POINTS.items():
     chosen = default_splits(*point)
-    jobs[(point, "prefix", chosen)] = (functools.partial(prefix_only, num_splits=chosen), point)
+    jobs[(point, "kernel", chosen)] = (functools.partial(kernel_only, num_splits=chosen), point)
     for n in (chosen, *splits):
       jobs[(point, "whole", n)] = (functools.partial(attn.tree_mla_attention, scale=SCALE, num_splits=n), point)
   compiled = compile_all(jobs)

@@ -20,18 +20,32 @@ def bf16_normal(rng, *shape, scale=1.0):
   return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_partials_match_reference(num_splits):
-  """Ragged prefixes (empty, one key, a partial block, a whole cache that is no multiple of 64), two row tiles."""
+def random_tail_visibility(rng, C, M, T, see_nothing=()):
+  """bool [C, M, T] with random rows; each row sees tail row 0 except the (c, row) pairs in see_nothing."""
+  visible = rng.random((C, M, T)) < 0.4
+  visible[:, :, 0] = True
+  for c, row in see_nothing:
+    visible[c, row] = False
+  return jnp.asarray(visible)
+
+
+@pytest.mark.parametrize("num_splits,T", [(1, 70), (3, 9)])
+def test_partials_match_reference(num_splits, T):
+  """Ragged prefixes (empty, one key, a partial block, a whole cache that is no multiple of 64), two row tiles,
+  a tail of 9 rows (one block) or 70 (two, the second mostly padding); rows of the empty prefix that see no
+  tail row must come out 0 with lse -inf."""
   rng = np.random.default_rng(num_splits)
   prefix_len = jnp.asarray([0, 1, 127, 264], jnp.int32)
-  q, cache = bf16_normal(rng, 4, 128, D), bf16_normal(rng, 4, 264, D)
+  q, cache, tail = bf16_normal(rng, 4, 128, D), bf16_normal(rng, 4, 264, D), bf16_normal(rng, 4, T, D)
+  visible = random_tail_visibility(rng, 4, 128, T, see_nothing=[(0, 3), (0, 100)])
   run = functools.partial(mp.mla_prefix_attention, num_splits=num_splits, qk_scale=QK_SCALE, interpret=True)
-  o, lse = run(q, cache, prefix_len)
-  o_ref, lse_ref = mp.mla_prefix_reference(q, cache, prefix_len, num_splits=num_splits, qk_scale=QK_SCALE)
+  o, lse = run(q, cache, prefix_len, tail, visible)
+  o_ref, lse_ref = mp.mla_prefix_reference(q, cache, prefix_len, tail, visible, num_splits=num_splits,
+                                           qk_scale=QK_SCALE)
   assert o.shape == (4, num_splits, 128, mp.LAT_DIM) and lse.shape == (4, num_splits, 128)
   np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_ref))  # the same splits are empty
-  assert np.isneginf(lse[0]).all() and not np.asarray(o[0]).any()      # no prefix: lse -inf, output 0
+  assert np.isneginf(lse[0, :-1]).all() and not np.asarray(o[0, :-1]).any()  # no prefix: only the tail split
+  assert np.isneginf(lse[0, -1, [3, 100]]).all() and not np.asarray(o[0, -1, [3, 100]]).any()
   finite = np.isfinite(lse_ref)
   np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite], atol=2e-3)
   assert rel_err(o, o_ref) < 1e-2  # P is rounded to bf16 for the value MMA
@@ -41,8 +55,9 @@ def test_large_logits_stay_finite():
   rng = np.random.default_rng(7)
   prefix_len = jnp.asarray([200], jnp.int32)
   q, cache = bf16_normal(rng, 1, 64, D, scale=30.0), bf16_normal(rng, 1, 200, D, scale=30.0)
-  o, lse = mp.mla_prefix_attention(q, cache, prefix_len, num_splits=1, qk_scale=1.0, interpret=True)
-  o_ref, _ = mp.mla_prefix_reference(q, cache, prefix_len, num_splits=1, qk_scale=1.0)
+  tail, visible = bf16_normal(rng, 1, 5, D, scale=30.0), random_tail_visibility(rng, 1, 64, 5)
+  o, lse = mp.mla_prefix_attention(q, cache, prefix_len, tail, visible, num_splits=1, qk_scale=1.0, interpret=True)
+  o_ref, _ = mp.mla_prefix_reference(q, cache, prefix_len, tail, visible, num_splits=1, qk_scale=1.0)
   assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(lse)).all()
   assert rel_err(o, o_ref) < 1e-2
 
@@ -72,13 +87,18 @@ def test_layer_of_a_cache_stack():
 def test_bad_arguments_raise():
   rng = np.random.default_rng(0)
   q, lens = bf16_normal(rng, 1, 64, D), jnp.asarray([5], jnp.int32)
+  tail, visible = bf16_normal(rng, 1, 3, D), random_tail_visibility(rng, 1, 64, 3)
   run = functools.partial(mp.mla_prefix_attention, num_splits=1, qk_scale=1.0, interpret=True)
   with pytest.raises(ValueError, match="cache rows"):
-    run(q, bf16_normal(rng, 1, 777, D), lens)
+    run(q, bf16_normal(rng, 1, 777, D), lens, tail, visible)
   with pytest.raises(ValueError, match="q rows"):
-    run(q[:, :40], bf16_normal(rng, 1, 64, D), lens)
+    run(q[:, :40], bf16_normal(rng, 1, 64, D), lens, tail, visible[:, :40])
   with pytest.raises(ValueError, match="bf16"):
-    run(q.astype(jnp.float32), bf16_normal(rng, 1, 64, D), lens)
+    run(q.astype(jnp.float32), bf16_normal(rng, 1, 64, D), lens, tail, visible)
+  with pytest.raises(ValueError, match="tail_visible"):
+    run(q, bf16_normal(rng, 1, 64, D), lens, tail, visible[:, :, :2])
+  with pytest.raises(ValueError, match="tail must be"):
+    run(q, bf16_normal(rng, 1, 64, D), lens, tail[..., :512], visible)
   args = make_inputs(1, 2, 16, R=mp.LAT_DIM, P=mp.ROPE_DIM, prefix_lens=[3], S=777, dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="S_max % 8"):
     tree_mla_attention(*args, scale=0.05, prefix_kernel="mosaic", interpret=True)
