@@ -158,7 +158,16 @@ def _kernel(prefix_len_ref, cache_seq_ref, q_ref, cache_ref, tail_ref, bits_ref,
       theirs = plgpu.load(row_smem.at[other], layout=_ROW, optimized=False)
       return (x_row, theirs) if w == 0 else (theirs, x_row)
 
-    def step(i, carry):
+    def visible_keys(i, col, tail):
+      """[64, 32] bool: which keys of this warpgroup's half of block i each row sees."""
+      if not tail:
+        return (first + i) * BLOCK_K + w * HALF_K + col < prefix_len
+      half_block = (i - steps) * 2 + w  # of the tail; the last one's word, if no key of it is a tail row
+      word = plgpu.load(bits_smem.at[jnp.minimum(half_block, bits_smem.shape[0] - 1)], layout=_ROW, optimized=False)
+      bits = lax.broadcast_in_dim(lax.bitcast_convert_type(word, jnp.int32), col.shape, [0])
+      return (lax.shift_right_logical(bits, col) & 1 != 0) & (half_block * HALF_K + col < num_tail)
+
+    def step(i, carry, tail):
       acc, m_prev, l_prev = carry
       slot = lax.rem(i, STAGES)
       plgpu.barrier_wait(kv_bars.at[slot * 2 + w])
@@ -169,17 +178,10 @@ def _kernel(prefix_len_ref, cache_seq_ref, q_ref, cache_ref, tail_ref, bits_ref,
 
       s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, HALF_K), jnp.float32))
       col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, HALF_K), 1, layout=plgpu.Layout.WGMMA)
-      in_prefix = (first + i) * BLOCK_K + w * HALF_K + col < prefix_len
-      half_block = jnp.maximum(i - steps, 0) * 2 + w  # of the tail; its word, if any key in it is a tail row
-      word = lax.bitcast_convert_type(plgpu.load(bits_smem.at[jnp.minimum(half_block, bits_smem.shape[0] - 1)],
-                                                 layout=_ROW, optimized=False), jnp.int32)
-      in_tail = ((lax.shift_right_logical(lax.broadcast_in_dim(word, s.shape, [0]), col) & 1 != 0)
-                 & (half_block * HALF_K + col < num_tail))
-      prefix_block = col < jnp.where(i < steps, HALF_K, 0)  # all true or all false (no scalar-predicate select)
-      s = jnp.where(jnp.where(prefix_block, in_prefix, in_tail), s * qk_scale, -jnp.inf)
+      s = jnp.where(visible_keys(i, col, tail), s * qk_scale, -jnp.inf)
       m0, m1 = exchange(s.max(axis=1))
-      m_next = jnp.maximum(m_prev, jnp.maximum(m0, m1))
-      m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen no key yet (tail blocks)
+      m_next = jnp.maximum(m_prev, jnp.maximum(m0, m1))  # finite in prefix blocks: each has a key for every row
+      m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next) if tail else m_next  # a row that has seen no key yet
       alpha = jnp.exp2(m_prev - m_safe)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
       l_next = l_prev * alpha + p.sum(axis=1)
@@ -209,7 +211,8 @@ def _kernel(prefix_len_ref, cache_seq_ref, q_ref, cache_ref, tail_ref, bits_ref,
     carry = (plgpu.layout_cast(jnp.zeros((BLOCK_M, HALF_R), jnp.float32), plgpu.Layout.WGMMA),
              plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), _ROW),
              plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), _ROW))
-    acc, m, l_own = lax.fori_loop(0, total, step, carry)
+    carry = lax.fori_loop(0, steps, functools.partial(step, tail=False), carry)
+    acc, m, l_own = lax.fori_loop(steps, total, functools.partial(step, tail=True), carry)
     l0, l1 = exchange(l_own)  # also orders every read of q_smem before o_stage (its alias) is written
     l = l0 + l1
     seen = l > 0
