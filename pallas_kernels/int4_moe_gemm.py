@@ -295,6 +295,16 @@ def _weight_dot(x, w, swap_ab):
     return _dot(w.T, x.T) if swap_ab else _dot(x, w)
 
 
+def _accumulator(block_m, block_n, swap_ab):
+    """Zero fp32 accumulator in the orientation `_weight_dot` produces."""
+    return jnp.zeros((block_n, block_m) if swap_ab else (block_m, block_n), jnp.float32)
+
+
+def _rows_first(acc, swap_ab):
+    """Accumulator -> [block_m rows, block_n columns]."""
+    return acc.T if swap_ab else acc
+
+
 _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 
 
@@ -340,10 +350,9 @@ def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block
                                       swap_ab)
             return acc_gate, acc_up
 
-        zeros = jnp.zeros((block_n, block_m) if swap_ab else (block_m, block_n), jnp.float32)
+        zeros = _accumulator(block_m, block_n, swap_ab)
         acc_gate, acc_up = jax.lax.fori_loop(0, w_ref.shape[1] // block_kw, k_step, (zeros, zeros))
-        h = acc_gate / (1.0 + jnp.exp(-acc_gate)) * acc_up
-        h = h.T if swap_ab else h
+        h = _rows_first(acc_gate / (1.0 + jnp.exp(-acc_gate)) * acc_up, swap_ab)
         h_cols = n * block_n + jnp.arange(block_n)  # column 8j + k goes to k * I/8 + j
         h_cols = h_cols % PACK * (h_ref.shape[1] // PACK) + h_cols // PACK
         slots = b * block_m + jnp.arange(block_m)
@@ -378,9 +387,8 @@ def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps
             return acc
 
         first = split * steps_per_split
-        acc = jax.lax.fori_loop(first, first + steps_per_split, k_step, jnp.zeros(
-            (block_n, block_m) if swap_ab else (block_m, block_n), jnp.float32))
-        acc = acc.T if swap_ab else acc
+        acc = jax.lax.fori_loop(first, first + steps_per_split, k_step, _accumulator(block_m, block_n, swap_ab))
+        acc = _rows_first(acc, swap_ab)
         weight = plgpu.load(weight_ref.at[jnp.where(row_ok, pair, 0)], mask=row_ok, other=0.0)
         # Padding rows aim at distinct spare rows past the pairs: masked, so never written on the GPU, and
         # interpret mode's read-modify-write of a masked scatter cannot clobber a real row.
