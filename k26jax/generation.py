@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k26jax import engine
+from k26jax import engine, ops
 from k26jax.api import Model
 
 DEFAULT_CKPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tiny")
@@ -27,7 +27,8 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "sc", "impls", "max_len"))
+@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "sc", "impls", "max_len"),
+                   compiler_options=ops.SLICE_IN_PLACE)    # prompts are padded to 16 tokens
 def _prefill(params, dparams, ids, lengths, key, *, cfg, dcfg, sc, impls, max_len):
     return engine.prefill(params, dparams, ids, lengths, key, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls,
                           max_len=max_len)
@@ -94,8 +95,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, method: str = "ddtre
     state = _prefill(model.params, dparams, ids, lengths, jax.random.key(seed), max_len=cache_len, **statics)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
+    rows = len(ids) * (sc.tree_size + 1)
     decode = (_loop if loop == "while" else _step).lower(model.params, dparams, state, propose=propose,
-                                                          **statics).compile()       # compiled before timing
+                                                          **statics).compile(ops.compiler_options(rows))
     t_compiled = time.perf_counter()
     if loop == "while":
         state = decode(model.params, dparams, state)

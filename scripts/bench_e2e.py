@@ -10,7 +10,8 @@ confident). The real tree_accept still runs inside the step. Weights are random 
 Caches are filled by a synthetic prefill (random latent rows and drafter context K/V, lengths = context).
 Each step is timed as a lax.fori_loop of n steps in one executable (median over repeats of the per-step
 time). Ablations skip one phase (draft: random logits instead of the drafter; attention: the MLA kernel returns
-its query; moe: the routed experts return their input) to split the step by phase; the tree build (top-K +
+its query; moe: the routed experts return their input) to split the step by phase, or compile without
+ops.compiler_options (slice_fusion: each layer's dense weights copied out of their stack); the tree build (top-K +
 tree_build + visibility) is timed on its own.
 
 floor (bytes): weights the step must read (attention, dense and shared MLPs, router, the routed experts that
@@ -425,10 +426,19 @@ def impls_summary(impls: ops.Impls) -> dict:
 
 
 def large_values(hlo_text: str, min_bytes: int) -> list[str]:
-    """HLO instructions (not parameters/bitcasts/tuples) producing one array >= min_bytes: copied weights show here."""
+    """Arrays of >= min_bytes that compiled HLO materialises: instructions outside fused computations, other than
+    parameters/bitcasts/tuples (a copied slice of stacked weights shows here; one a dot reads in place does not)."""
     sizes = {"s32": 4, "u32": 4, "f32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
-    found = []
-    for m in re.finditer(r"%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(", hlo_text):
+    fused = set(re.findall(r"calls=%([\w.-]+)", hlo_text))
+    found, inside_fused = [], False
+    for line in hlo_text.splitlines():
+        header = re.match(r"(?:ENTRY )?%([\w.-]+) .*\{$", line)
+        if header:
+            inside_fused = header.group(1) in fused
+            continue
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(", line)
+        if inside_fused or not m:
+            continue
         name, dtype, dims, opcode = m.groups()
         if opcode in ("parameter", "get-tuple-element", "bitcast", "tuple") or dtype not in sizes:
             continue
@@ -465,7 +475,8 @@ class Compiler:
             try:
                 with TRACE_LOCK:
                     lowered = setup.lower_steps(v, impls)
-                compiled = lowered.compile()
+                rows = v.C * (setup.step_config(v).tree_size + 1)
+                compiled = lowered.compile(None if "slice_fusion" in v.skip else ops.compiler_options(rows))
                 mem = compiled.memory_analysis()
                 return {"compiled": compiled, "impls": impls, "errors": errors,
                         "compile_s": time.perf_counter() - start,
@@ -663,7 +674,8 @@ def plan(args, N: int):
             main += [Variant(N, m, b, C, ctx) for m, b in by_priority]
             if ctx == args.contexts[0] and C in args.ablate_at:
                 main += [Variant(N, "ddtree", mid, C, ctx, (p,)) for p in ("draft", "attention", "moe")]
-                main += [Variant(N, "ar", 1, C, ctx, (p,)) for p in ("attention", "moe")]
+                main += [Variant(N, "ar", 1, C, ctx, (p,)) for p in ("attention", "moe", "slice_fusion")]
+                main += [Variant(N, "ddtree", mid, C, ctx, ("slice_fusion",))]
     halves = [Variant(half, m, b, C, args.contexts[0]) for C in args.half_at for m, b in by_priority[:2]]
     builds = [Variant(N, m, b, C, args.contexts[0]) for C in args.concurrency for m, b in methods(args) if m != "ar"]
     return main, halves, builds
@@ -713,7 +725,7 @@ def run_plan(args, mesh, record, out_path):
             print(f"[deadline] stopping the depth-{args.layers} rows, {runner.remaining():.0f}s left", flush=True)
             break
         guarded(runner.measure_step, v, reserve)
-        if v == main[0]:
+        if v == main[0] or v.skip == ("slice_fusion",) and v.method == main[0].method:
             guarded(lambda v, _: hlo_check(runner, v), v, reserve)
     for v in builds:
         if runner.remaining() < reserve + 5:
@@ -727,16 +739,14 @@ def run_plan(args, mesh, record, out_path):
     return runner
 
 
-def hlo_check(runner: Runner, v: Variant) -> dict:
-    """Large arrays the compiled step materialises (e.g. a layer's experts copied out of the stacked weights)."""
+def hlo_check(runner: Runner, v: Variant, min_bytes: float = 8e6) -> dict:
+    """Large arrays the compiled step materialises (>= 8 MB, below one layer's o_proj: copied weights show here)."""
     entry = runner.compiler.futures[("step", v)].result()
     if entry["compiled"] is None:
         return None
-    s = runner.setup(v.layers)
-    per_layer = _weight_parts(s.cfg, s.dcfg, 1, runner.args.expert_mode, s.dtype)["routed"][0] / s.cfg.num_moe_layers
-    found = large_values(entry["compiled"].as_text(), int(0.05 * per_layer))
+    found = large_values(entry["compiled"].as_text(), int(min_bytes))
     return {"kind": "hlo_check", "variant": v.name, "C": v.C, "layers": v.layers,
-            "min_GB": 0.05 * per_layer / 1e9, "large_values": found[:40], "count": len(found)}
+            "min_GB": min_bytes / 1e9, "large_values": found[:80], "count": len(found)}
 
 
 # ---- projection ----------------------------------------------------------------------------------------------
