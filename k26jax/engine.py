@@ -58,7 +58,7 @@ class StepConfig:
 @struct.dataclass
 class DecodeState:
     cache: kc.KVCache
-    ctx_k: jax.Array        # drafter context K [Ld, C, S, kv_heads, head_dim] (empty for AR)
+    ctx_k: jax.Array        # drafter context K [Ld, C, kv_heads, S, head_dim] (empty for AR)
     ctx_v: jax.Array
     ctx_len: jax.Array      # [C]
     root: jax.Array         # [C] last emitted token, no KV yet: the next tree's root
@@ -116,7 +116,7 @@ def prefill(params, dparams, ids_CT, lengths_C, key, *, cfg: ModelConfig, dcfg, 
     if dcfg is not None and sc.method != "ar":
         ctx_feats = jnp.concatenate(list(feats), axis=-1)                          # [C, T, n*D]
         ctx_k, ctx_v = drafter_lib.context_kv(dparams, dcfg, ctx_feats, jnp.broadcast_to(jnp.arange(T), (C, T)))
-        pad = [(0, 0), (0, 0), (0, max_len - T), (0, 0), (0, 0)]
+        pad = [(0, 0), (0, 0), (0, 0), (0, max_len - T), (0, 0)]
         ctx_k, ctx_v = jnp.pad(ctx_k, pad), jnp.pad(ctx_v, pad)
     else:
         ctx_k = ctx_v = jnp.zeros((0, C, 0, 0, 0), rows.dtype)
@@ -194,9 +194,10 @@ def commit(state: DecodeState, key, ids_CN, tail_rows, feats, path_CP, accept_le
         path_feats = kc.gather_path(jnp.concatenate(list(feats), axis=-1), path_CP)         # [C, P, n*D]
         new_k, new_v = drafter_lib.context_kv(dparams, dcfg, path_feats, state.cache.lengths[:, None] + j)
         c = jnp.broadcast_to(jnp.arange(path_CP.shape[0])[:, None], path_CP.shape)
-        pos = jnp.where(j < n[:, None], ctx_len[:, None] + j, ctx_k.shape[2])
-        ctx_k = ctx_k.at[:, c, pos].set(new_k.astype(ctx_k.dtype), mode="drop")
-        ctx_v = ctx_v.at[:, c, pos].set(new_v.astype(ctx_v.dtype), mode="drop")
+        pos = jnp.where(j < n[:, None], ctx_len[:, None] + j, ctx_k.shape[3])
+        rows_first = lambda x: x.transpose(1, 3, 0, 2, 4)        # [n, C, Hkv, P, K] -> the index's [C, P, n, Hkv, K]
+        ctx_k = ctx_k.at[:, c, :, pos].set(rows_first(new_k).astype(ctx_k.dtype), mode="drop")
+        ctx_v = ctx_v.at[:, c, :, pos].set(rows_first(new_v).astype(ctx_v.dtype), mode="drop")
         ctx_len = ctx_len + n
     accept_lens = state.accept_lens.at[state.step].set(n, mode="drop")
     return state.replace(cache=cache, ctx_k=ctx_k, ctx_v=ctx_v, ctx_len=ctx_len,

@@ -18,7 +18,7 @@ IMPLS = ("pallas", "reference")
 
 # A layer scan slices each layer's weights out of their stack. By default XLA GPU copies that slice before the
 # layer's dots (its Triton dot fusions cannot read it in place), so the dense weight bytes move three times. With
-# dynamic-slice fusion and cuBLAS dots, each dot reads its slice where it lies (bench/stack_slice.md).
+# dynamic-slice fusion and cuBLAS dots, each dot reads its slice where it lies (bench/e2e.md).
 SLICE_IN_PLACE = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
 
 

@@ -199,7 +199,7 @@ def synthetic_state(key, *, cfg, dcfg, sc: engine.StepConfig, C: int, S: int, co
     if sc.method == "ar":
         ctx_k = ctx_v = jnp.zeros((0, C, 0, 0, 0), dtype)
     else:
-        shape = (dcfg.num_hidden_layers, C, S, dcfg.num_key_value_heads, dcfg.head_dim)
+        shape = (dcfg.num_hidden_layers, C, dcfg.num_key_value_heads, S, dcfg.head_dim)
         ctx_k, ctx_v = jax.random.normal(k_ctx_k, shape, dtype), jax.random.normal(k_ctx_v, shape, dtype)
     return engine.DecodeState(
         cache=kc.KVCache(rows, lengths), ctx_k=ctx_k, ctx_v=ctx_v, ctx_len=lengths,

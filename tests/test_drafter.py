@@ -116,10 +116,10 @@ def test_draft_block_equals_draft_logits_ragged_cache():
     split = 5
     k1, v1 = D.context_kv(params, cfg, feats[:, :split], positions[:, :split])
     k2, v2 = D.context_kv(params, cfg, feats[:, split:], positions[:, split:])
-    garbage = 1e3 * jax.random.normal(keys[3], (cfg.num_hidden_layers, B, S, 2, 16))
-    valid = (jnp.arange(S)[None, :] < ctx_len[:, None])[None, :, :, None, None]
-    ctx_k = jnp.where(valid, jnp.concatenate([k1, k2], 2), garbage)
-    ctx_v = jnp.where(valid, jnp.concatenate([v1, v2], 2), -garbage)
+    garbage = 1e3 * jax.random.normal(keys[3], (cfg.num_hidden_layers, B, 2, S, 16))
+    valid = (jnp.arange(S)[None, :] < ctx_len[:, None])[None, :, None, :, None]
+    ctx_k = jnp.where(valid, jnp.concatenate([k1, k2], 3), garbage)
+    ctx_v = jnp.where(valid, jnp.concatenate([v1, v2], 3), -garbage)
     got = D.draft_block(params, cfg, embed, lm_head, ctx_k, ctx_v, jnp.asarray(ctx_len), bonus, jnp.asarray(ctx_len))
     assert got.shape == (B, cfg.block_size - 1, V)
     for r in range(B):
@@ -148,7 +148,7 @@ def test_bad_inputs_name_the_argument(drafter, ref):
         D.draft_logits(params, cfg, ref["embed_VD"], ref["lm_head_DV"].T, ref["context_features"], ref["bonus_ids"])
     with pytest.raises(ValueError, match="bonus_ids"):
         D.draft_logits(params, cfg, ref["embed_VD"], ref["lm_head_DV"], ref["context_features"], ref["bonus_ids"][:1])
-    k = jnp.zeros((cfg.num_hidden_layers, 2, 8, cfg.num_key_value_heads + 1, cfg.head_dim))
+    k = jnp.zeros((cfg.num_hidden_layers, 2, cfg.num_key_value_heads + 1, 8, cfg.head_dim))
     with pytest.raises(ValueError, match="ctx_k"):
         D.draft_block(params, cfg, ref["embed_VD"], ref["lm_head_DV"], k, k, jnp.zeros(2, int), ref["bonus_ids"],
                       jnp.zeros(2, int))
@@ -302,7 +302,7 @@ def test_partition_specs_follow_divisibility(drafter):
     assert specs["layers"]["attn"]["q"] == D.P(None, None, None, None)    # 2 kv heads do not split 8 ways
     assert specs["layers"]["mlp"]["gate_up"] == D.P(None, None, None, "model")
     assert D.drafter_partition_specs(cfg, 2)["layers"]["attn"]["o"] == D.P(None, "model", None, None)
-    assert D.drafter_cache_partition_spec(cfg, 2) == D.P(None, "data", None, "model", None)
+    assert D.drafter_cache_partition_spec(cfg, 2) == D.P(None, "data", "model", None, None)
     with pytest.raises(ValueError, match="model_axis_size"):
         D.drafter_partition_specs(cfg, 0)
 

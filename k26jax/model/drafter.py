@@ -145,17 +145,24 @@ def _kv(attn, cfg: DrafterConfig, x_BTD, cos_BTK, sin_BTK):
     return _apply_rope(k, cos_BTK, sin_BTK), mm("btd,dmk->btmk", x_BTD, attn["v"])
 
 
-def _attend(q_BQNK, k_BSMK, v_BSMK, visible_BS=None):
-    """GQA softmax attention (query head n uses kv head n // q_per_kv), fp32 scores and softmax."""
+def _attend(q_BQNK, k_ctx_BMSK, v_ctx_BMSK, visible_BS, k_blk_BbMK, v_blk_BbMK):
+    """GQA softmax attention over context rows plus the block (query head n uses kv head n // q_per_kv), fp32
+    scores and softmax. The two key sets are scored apart and share one softmax, so the context cache is read
+    where it lies (head-major: each head's rows are one [S, K] slab) instead of concatenated with the block."""
     B, Q, N, K = q_BQNK.shape
-    M = k_BSMK.shape[2]
+    M = k_ctx_BMSK.shape[1]
     q = q_BQNK.reshape(B, Q, M, N // M, K)
-    scores = jnp.einsum("bqmgk,bsmk->bmgqs", q, k_BSMK, preferred_element_type=F32) * K ** -0.5
-    if visible_BS is not None:
-        scores = jnp.where(visible_BS[:, None, None, None, :], scores, -jnp.inf)
-    p = jax.nn.softmax(scores, axis=-1).astype(v_BSMK.dtype)
-    o = jnp.einsum("bmgqs,bsmk->bqmgk", p, v_BSMK, preferred_element_type=F32).astype(q_BQNK.dtype)
-    return o.reshape(B, Q, N, K)
+    s_ctx = jnp.einsum("bqmgk,bmsk->bmgqs", q, k_ctx_BMSK, preferred_element_type=F32) * K ** -0.5
+    s_ctx = jnp.where(visible_BS[:, None, None, None, :], s_ctx, -jnp.inf)
+    s_blk = jnp.einsum("bqmgk,btmk->bmgqt", q, k_blk_BbMK, preferred_element_type=F32) * K ** -0.5
+    m = jnp.maximum(s_ctx.max(-1, keepdims=True), s_blk.max(-1, keepdims=True))     # finite: the block is seen
+    e_ctx, e_blk = jnp.exp(s_ctx - m), jnp.exp(s_blk - m)
+    denom = e_ctx.sum(-1, keepdims=True) + e_blk.sum(-1, keepdims=True)
+    p_ctx, p_blk = (e_ctx / denom).astype(v_ctx_BMSK.dtype), (e_blk / denom).astype(v_blk_BbMK.dtype)
+    # batch dims first in the output: XLA CPU rejects this bf16 x bf16 -> f32 dot written straight to [b,q,m,g,k]
+    o_BMGQK = (jnp.einsum("bmgqs,bmsk->bmgqk", p_ctx, v_ctx_BMSK, preferred_element_type=F32)
+               + jnp.einsum("bmgqt,btmk->bmgqk", p_blk, v_blk_BbMK, preferred_element_type=F32))
+    return o_BMGQK.astype(q_BQNK.dtype).transpose(0, 3, 1, 2, 4).reshape(B, Q, N, K)
 
 
 def _layer(layer, cfg: DrafterConfig, h_BbD, cos_BbK, sin_BbK, attend):
@@ -229,9 +236,11 @@ def _full_forward(params, cfg: DrafterConfig, embed_VD, context_features, bonus_
         raise ValueError(f"bonus_ids: batch {h.shape[0]} != context_features batch {B}")
     cos, sin = rope_cos_sin(cfg, jnp.broadcast_to(jnp.arange(Tc + cfg.block_size), (B, Tc + cfg.block_size)))
 
+    visible = jnp.ones((B, Tc), bool)
+
     def body(h, layer):
-        k_ctx, v_ctx = _kv(layer["attn"], cfg, ctx_BTD, cos[:, :Tc], sin[:, :Tc])
-        attend = lambda q, k, v: _attend(q, jnp.concatenate([k_ctx, k], 1), jnp.concatenate([v_ctx, v], 1))
+        k_ctx, v_ctx = (x.transpose(0, 2, 1, 3) for x in _kv(layer["attn"], cfg, ctx_BTD, cos[:, :Tc], sin[:, :Tc]))
+        attend = lambda q, k, v: _attend(q, k_ctx, v_ctx, visible, k, v)
         h = _layer(layer, cfg, h, cos[:, Tc:], sin[:, Tc:], attend)
         return h, h
 
@@ -240,7 +249,8 @@ def _full_forward(params, cfg: DrafterConfig, embed_VD, context_features, bonus_
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def context_kv(params, cfg: DrafterConfig, context_features, positions):
-    """The cacheable context K/V: context_features [B,T,F] at positions [B,T] -> (k, v) [n, B, T, Hkv, K].
+    """The cacheable context K/V: context_features [B,T,F] at positions [B,T] -> (k, v) [n, B, Hkv, T, K]
+    (head-major, the cache's layout).
 
     k is k_norm'ed and roped; both are in the parameters' dtype.
     """
@@ -248,32 +258,31 @@ def context_kv(params, cfg: DrafterConfig, context_features, positions):
     if positions.shape != ctx_BTD.shape[:2]:
         raise ValueError(f"positions: expected {ctx_BTD.shape[:2]}, got {positions.shape}")
     cos, sin = rope_cos_sin(cfg, positions)
-    return jax.vmap(lambda attn: _kv(attn, cfg, ctx_BTD, cos, sin))(params["layers"]["attn"])
+    k, v = jax.vmap(lambda attn: _kv(attn, cfg, ctx_BTD, cos, sin))(params["layers"]["attn"])
+    return k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4)
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def draft_block(params, cfg: DrafterConfig, embed_VD, lm_head_DV, ctx_k, ctx_v, ctx_len, bonus_ids, start):
     """The block against a context cache -> [B, b-1, V] float32.
 
-    ctx_k, ctx_v [n, B, S_max, Hkv, K] (from `context_kv`); ctx_len [B]: rows [0, ctx_len) are valid;
+    ctx_k, ctx_v [n, B, Hkv, S_max, K] (from `context_kv`); ctx_len [B]: rows [0, ctx_len) are valid;
     bonus_ids [B]; start [B]: the block sits at positions start..start+b-1 and sees the valid rows and itself.
     """
-    n, B, S, Hkv, K = ctx_k.shape
-    want = (cfg.num_hidden_layers, B, S, cfg.num_key_value_heads, cfg.head_dim)
+    n, B, Hkv, S, K = ctx_k.shape
+    want = (cfg.num_hidden_layers, B, cfg.num_key_value_heads, S, cfg.head_dim)
     if ctx_k.shape != want or ctx_v.shape != want:
-        raise ValueError(f"ctx_k/ctx_v: expected [n, B, S_max, Hkv, K] = {want}, got {ctx_k.shape}, {ctx_v.shape}")
+        raise ValueError(f"ctx_k/ctx_v: expected [n, B, Hkv, S_max, K] = {want}, got {ctx_k.shape}, {ctx_v.shape}")
     for name, x in (("ctx_len", ctx_len), ("bonus_ids", bonus_ids), ("start", start)):
         if x.shape != (B,):
             raise ValueError(f"{name}: expected [{B}], got {x.shape}")
     h = _block_embeddings(params, cfg, embed_VD, bonus_ids)
     cos, sin = rope_cos_sin(cfg, start[:, None] + jnp.arange(cfg.block_size))
-    visible = jnp.concatenate([jnp.arange(S)[None] < ctx_len[:, None],
-                               jnp.ones((B, cfg.block_size), bool)], axis=1)
+    visible = jnp.arange(S)[None] < ctx_len[:, None]
 
     def body(h, xs):
         layer, k_ctx, v_ctx = xs
-        attend = lambda q, k, v: _attend(q, jnp.concatenate([k_ctx, k], 1), jnp.concatenate([v_ctx, v], 1),
-                                         visible)
+        attend = lambda q, k, v: _attend(q, k_ctx, v_ctx, visible, k, v)
         return _layer(layer, cfg, h, cos, sin, attend), None
 
     h, _ = jax.lax.scan(body, h, (params["layers"], ctx_k, ctx_v))
@@ -308,5 +317,5 @@ def drafter_partition_specs(cfg: DrafterConfig, model_axis_size: int) -> dict:
 
 
 def drafter_cache_partition_spec(cfg: DrafterConfig, model_axis_size: int) -> P:
-    """Context K/V cache [n, B, S_max, Hkv, K]: batch over "data", kv heads over "model" as the attention is."""
-    return P(None, DATA, None, MODEL if _heads_split(cfg, model_axis_size) else None, None)
+    """Context K/V cache [n, B, Hkv, S_max, K]: batch over "data", kv heads over "model" as the attention is."""
+    return P(None, DATA, MODEL if _heads_split(cfg, model_axis_size) else None, None, None)
