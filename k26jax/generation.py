@@ -28,7 +28,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "sc", "impls", "max_len"),
-                   compiler_options=ops.SLICE_IN_PLACE)    # prompts are padded to 16 tokens
+                   compiler_options=ops.compiler_options(rows=16))    # prompts are padded to 16 tokens
 def _prefill(params, dparams, ids, lengths, key, *, cfg, dcfg, sc, impls, max_len):
     return engine.prefill(params, dparams, ids, lengths, key, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls,
                           max_len=max_len)

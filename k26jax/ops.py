@@ -16,19 +16,22 @@ from pallas_kernels import tree_mla_attention as mla_kernel
 
 IMPLS = ("pallas", "reference")
 
-# A layer scan slices each layer's weights out of their stack. By default XLA GPU copies that slice before the
-# layer's dots (its Triton dot fusions cannot read it in place), so the dense weight bytes move three times. With
-# dynamic-slice fusion and cuBLAS dots, each dot reads its slice where it lies (bench/e2e.md).
+# What XLA GPU would otherwise copy every step (bench/e2e.md, "Weights read in place"):
+# - a layer scan slices each layer's weights out of their stack, and its Triton dot fusions cannot read that
+#   slice in place; with dynamic-slice fusion and cuBLAS dots each dot reads it where it lies;
+# - the dot merger concatenates the weights of dots that share an input (q_a with kv_a, the drafter's q, k, v)
+#   into a new array; a 0 MB threshold turns it off.
 SLICE_IN_PLACE = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
+NO_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
 def compiler_options(rows: int) -> dict:
     """Options for jax.jit(...).lower(...).compile() of code whose dense dots take `rows` tokens (C * T).
 
-    SLICE_IN_PLACE from 8 rows on. At 1 row cuBLAS is 2.7x slower than XLA's own kernel, more than the copy
-    costs (measured: 0.17 vs 0.12 ms a layer); 2..7 rows are unmeasured and keep the default. CPU ignores both.
+    SLICE_IN_PLACE from 8 rows on: at 1 row cuBLAS is 2.7x slower than XLA's own kernel, more than the copy
+    costs (0.16 vs 0.10 ms a layer); 2..7 rows are unmeasured and keep the default. The CPU ignores these.
     """
-    return SLICE_IN_PLACE if rows >= 8 else {}
+    return {**NO_DOT_MERGER, **(SLICE_IN_PLACE if rows >= 8 else {})}
 
 
 @dataclasses.dataclass(frozen=True)

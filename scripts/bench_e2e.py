@@ -11,7 +11,7 @@ Caches are filled by a synthetic prefill (random latent rows and drafter context
 Each step is timed as a lax.fori_loop of n steps in one executable (median over repeats of the per-step
 time). Ablations skip one phase (draft: random logits instead of the drafter; attention: the MLA kernel returns
 its query; moe: the routed experts return their input) to split the step by phase, or compile without
-ops.compiler_options (slice_fusion: each layer's dense weights copied out of their stack); the tree build (top-K +
+ops.compiler_options (options: XLA's defaults, which copy weights every step, see ops.py); the tree build (top-K +
 tree_build + visibility) is timed on its own.
 
 floor (bytes): weights the step must read (attention, dense and shared MLPs, router, the routed experts that
@@ -476,7 +476,7 @@ class Compiler:
                 with TRACE_LOCK:
                     lowered = setup.lower_steps(v, impls)
                 rows = v.C * (setup.step_config(v).tree_size + 1)
-                compiled = lowered.compile(None if "slice_fusion" in v.skip else ops.compiler_options(rows))
+                compiled = lowered.compile(None if "options" in v.skip else ops.compiler_options(rows))
                 mem = compiled.memory_analysis()
                 return {"compiled": compiled, "impls": impls, "errors": errors,
                         "compile_s": time.perf_counter() - start,
@@ -674,8 +674,8 @@ def plan(args, N: int):
             main += [Variant(N, m, b, C, ctx) for m, b in by_priority]
             if ctx == args.contexts[0] and C in args.ablate_at:
                 main += [Variant(N, "ddtree", mid, C, ctx, (p,)) for p in ("draft", "attention", "moe")]
-                main += [Variant(N, "ar", 1, C, ctx, (p,)) for p in ("attention", "moe", "slice_fusion")]
-                main += [Variant(N, "ddtree", mid, C, ctx, ("slice_fusion",))]
+                main += [Variant(N, "ar", 1, C, ctx, (p,)) for p in ("attention", "moe", "options")]
+                main += [Variant(N, "ddtree", mid, C, ctx, ("options",))]
     halves = [Variant(half, m, b, C, args.contexts[0]) for C in args.half_at for m, b in by_priority[:2]]
     builds = [Variant(N, m, b, C, args.contexts[0]) for C in args.concurrency for m, b in methods(args) if m != "ar"]
     return main, halves, builds
@@ -725,7 +725,7 @@ def run_plan(args, mesh, record, out_path):
             print(f"[deadline] stopping the depth-{args.layers} rows, {runner.remaining():.0f}s left", flush=True)
             break
         guarded(runner.measure_step, v, reserve)
-        if v == main[0] or v.skip == ("slice_fusion",) and v.method == main[0].method:
+        if v == main[0] or v.skip == ("options",) and v.method == main[0].method:
             guarded(lambda v, _: hlo_check(runner, v), v, reserve)
     for v in builds:
         if runner.remaining() < reserve + 5:

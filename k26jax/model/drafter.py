@@ -258,7 +258,8 @@ def context_kv(params, cfg: DrafterConfig, context_features, positions):
     if positions.shape != ctx_BTD.shape[:2]:
         raise ValueError(f"positions: expected {ctx_BTD.shape[:2]}, got {positions.shape}")
     cos, sin = rope_cos_sin(cfg, positions)
-    k, v = jax.vmap(lambda attn: _kv(attn, cfg, ctx_BTD, cos, sin))(params["layers"]["attn"])
+    # a loop, not vmap: XLA would turn the vmapped dot into one GEMM over a transposed copy of all layers' weights
+    k, v = jax.lax.map(lambda attn: _kv(attn, cfg, ctx_BTD, cos, sin), params["layers"]["attn"])
     return k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4)
 
 
