@@ -28,7 +28,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "sc", "impls", "max_len"),
-                   compiler_options=ops.compiler_options(rows=16))    # prompts are padded to 16 tokens
+                   compiler_options=ops.COMPILER_OPTIONS)
 def _prefill(params, dparams, ids, lengths, key, *, cfg, dcfg, sc, impls, max_len):
     return engine.prefill(params, dparams, ids, lengths, key, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls,
                           max_len=max_len)
@@ -95,9 +95,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, method: str = "ddtre
     state = _prefill(model.params, dparams, ids, lengths, jax.random.key(seed), max_len=cache_len, **statics)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
-    rows = len(ids) * (sc.tree_size + 1)
     decode = (_loop if loop == "while" else _step).lower(model.params, dparams, state, propose=propose,
-                                                          **statics).compile(ops.compiler_options(rows))
+                                                          **statics).compile(ops.COMPILER_OPTIONS)
     t_compiled = time.perf_counter()
     if loop == "while":
         state = decode(model.params, dparams, state)

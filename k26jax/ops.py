@@ -23,15 +23,9 @@ IMPLS = ("pallas", "reference")
 #   into a new array; a 0 MB threshold turns it off.
 SLICE_IN_PLACE = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
 NO_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}
-
-
-def compiler_options(rows: int) -> dict:
-    """Options for jax.jit(...).lower(...).compile() of code whose dense dots take `rows` tokens (C * T).
-
-    SLICE_IN_PLACE from 8 rows on: at 1 row cuBLAS is 2.7x slower than XLA's own kernel, more than the copy
-    costs (0.16 vs 0.10 ms a layer); 2..7 rows are unmeasured and keep the default. The CPU ignores these.
-    """
-    return {**NO_DOT_MERGER, **(SLICE_IN_PLACE if rows >= 8 else {})}
+# For jax.jit(compiler_options=) of anything that runs the model. cuBLAS is slow at 1 row (0.16 ms a layer against
+# 0.10 with the copy, 0.04 at 8 rows in place), so the model pads its dense dots to layers.GPU_MIN_ROWS rows.
+COMPILER_OPTIONS = {**NO_DOT_MERGER, **SLICE_IN_PLACE}
 
 
 @dataclasses.dataclass(frozen=True)

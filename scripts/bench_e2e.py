@@ -11,7 +11,7 @@ Caches are filled by a synthetic prefill (random latent rows and drafter context
 Each step is timed as a lax.fori_loop of n steps in one executable (median over repeats of the per-step
 time). Ablations skip one phase (draft: random logits instead of the drafter; attention: the MLA kernel returns
 its query; moe: the routed experts return their input) to split the step by phase, or compile without
-ops.compiler_options (options: XLA's defaults, which copy weights every step, see ops.py); the tree build (top-K +
+ops.COMPILER_OPTIONS (options: XLA's defaults, which copy weights every step, see ops.py); the tree build (top-K +
 tree_build + visibility) is timed on its own.
 
 floor (bytes): weights the step must read (attention, dense and shared MLPs, router, the routed experts that
@@ -475,8 +475,7 @@ class Compiler:
             try:
                 with TRACE_LOCK:
                     lowered = setup.lower_steps(v, impls)
-                rows = v.C * (setup.step_config(v).tree_size + 1)
-                compiled = lowered.compile(None if "options" in v.skip else ops.compiler_options(rows))
+                compiled = lowered.compile(None if "options" in v.skip else ops.COMPILER_OPTIONS)
                 mem = compiled.memory_analysis()
                 return {"compiled": compiled, "impls": impls, "errors": errors,
                         "compile_s": time.perf_counter() - start,

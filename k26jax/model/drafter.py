@@ -198,7 +198,7 @@ def _logits(params, cfg: DrafterConfig, lm_head_DV, h_BbD):
     if lm_head_DV.ndim != 2 or lm_head_DV.shape[0] != cfg.hidden_size:
         raise ValueError(f"lm_head_DV: expected [{cfg.hidden_size}, V], got {lm_head_DV.shape}")
     x = rms_norm(h_BbD[:, 1:], params["final_norm"], cfg.rms_norm_eps)
-    logits = jnp.einsum("btd,dv->btv", x, lm_head_DV.astype(x.dtype), preferred_element_type=F32)
+    logits = mm("btd,dv->btv", x, lm_head_DV, out_dtype=F32)
     logits = logits * cfg.output_multiplier
     if cfg.final_logit_softcapping is not None:
         logits = jnp.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping

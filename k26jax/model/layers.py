@@ -17,16 +17,34 @@ from k26jax.config import ModelConfig, yarn_mscale
 F32 = jnp.float32
 
 
-def mm(subscripts: str, x, w):
-    """einsum with fp32 accumulation, returned in x's dtype.
+# On the GPU a dot of fewer rows is lowered to XLA's own kernel, which copies a weight sliced out of a layer stack
+# (ops.compiler_options); the dense dots below pad their rows up to this many so cuBLAS reads the slice in place.
+GPU_MIN_ROWS = 8
+
+
+def pad_rows(x, rows_per_item: int = 1):
+    """x with its leading axis zero-padded so that it holds at least GPU_MIN_ROWS rows (leading size x
+    rows_per_item), on the GPU only; slice the result back with [:x.shape[0]]."""
+    need = -(-GPU_MIN_ROWS // rows_per_item)
+    if jax.default_backend() != "gpu" or x.shape[0] >= need:
+        return x
+    return jnp.pad(x, [(0, need - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
+def mm(subscripts: str, x, w, out_dtype=None):
+    """einsum with fp32 accumulation, returned in out_dtype (x's dtype by default). x and the result are
+    [B, T, ...] (leading rows padded on the GPU, see GPU_MIN_ROWS).
 
     XLA:CPU has no bf16 x bf16 -> f32 batched-dot thunk, so on the CPU the operands are upcast first; that is
     exact, since a product of two bf16 values is representable in f32.
     """
+    out_dtype = out_dtype or x.dtype
     w = w.astype(x.dtype)
     if jax.default_backend() == "cpu" and x.dtype == jnp.bfloat16:
-        return jnp.einsum(subscripts, x.astype(F32), w.astype(F32)).astype(x.dtype)
-    return jnp.einsum(subscripts, x, w, preferred_element_type=F32).astype(x.dtype)
+        return jnp.einsum(subscripts, x.astype(F32), w.astype(F32)).astype(out_dtype)
+    padded = pad_rows(x, x.shape[1])
+    out = jnp.einsum(subscripts, padded, w, preferred_element_type=F32).astype(out_dtype)
+    return out[:x.shape[0]]
 
 
 def rms_norm(x, weight, eps: float):
@@ -141,7 +159,8 @@ def route(router_kernel_DE, router_bias_E, x_ND, cfg: ModelConfig):
     sum of their top-2 biased scores; experts of dropped groups masked to -inf, as HF's masked_fill does). The
     weights are the unbiased scores, normalised when norm_topk_prob, then times routed_scaling_factor.
     """
-    logits = jnp.dot(x_ND.astype(F32), router_kernel_DE.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    logits = jnp.dot(pad_rows(x_ND).astype(F32), router_kernel_DE.astype(F32),
+                     precision=jax.lax.Precision.HIGHEST)[:x_ND.shape[0]]
     scores = jax.nn.sigmoid(logits)
     biased = scores + router_bias_E.astype(F32)
     if cfg.n_group > 1:

@@ -186,7 +186,7 @@ def embed_tokens(params, ids_BT):
 
 def lm_logits(params, cfg: ModelConfig, h_BTD):
     h = L.rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
-    return jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+    return L.mm("btd,dv->btv", h, params["lm_head"], out_dtype=jnp.float32)
 
 
 def forward_prefill(params, cfg: ModelConfig, ids_BT, lengths_B, impls: ops.Impls, hidden_layer_ids=()):
