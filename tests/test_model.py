@@ -150,6 +150,29 @@ def test_router_matches_numpy_and_bias_changes_selection(n_group, topk_group, no
     assert (np.sort(unbiased, -1) != np.sort(ids, -1)).any(), "the bias must change some selections"
 
 
+def test_dense_dots_pad_rows_on_the_gpu(monkeypatch):
+    """On the GPU, dots of fewer than GPU_MIN_ROWS rows run padded (so cuBLAS reads stacked weights in place) and
+    are cut back: same shapes and values as unpadded. Checked on the CPU by posing as the GPU."""
+    cfg = preset("tiny")
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.normal(size=(cfg.hidden_size, 24)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(cfg.hidden_size, cfg.n_routed_experts)) * 0.05, jnp.float32)
+    bias = jnp.zeros(cfg.n_routed_experts, jnp.float32)
+    xs = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((1, 1, cfg.hidden_size),
+                                                                         (2, 3, cfg.hidden_size))]
+    want = [(L.mm("btd,dk->btk", x, w), L.route(kernel, bias, x.reshape(-1, cfg.hidden_size), cfg)) for x in xs]
+    assert L.pad_rows(xs[0]) is xs[0]                                   # the CPU never pads
+    monkeypatch.setattr(L.jax, "default_backend", lambda: "gpu")
+    assert L.pad_rows(xs[0], 1).shape[0] == L.GPU_MIN_ROWS
+    assert L.pad_rows(xs[1], 3).shape[0] == 3                          # 3 x 3 rows >= 8
+    assert L.pad_rows(xs[1], 4) is xs[1]
+    for x, (dot, (ids, weights)) in zip(xs, want):
+        np.testing.assert_allclose(L.mm("btd,dk->btk", x, w), dot, rtol=1e-6)
+        got_ids, got_weights = L.route(kernel, bias, x.reshape(-1, cfg.hidden_size), cfg)
+        np.testing.assert_array_equal(got_ids, ids)
+        np.testing.assert_allclose(got_weights, weights, rtol=1e-6)
+
+
 # ---- whole model -------------------------------------------------------------------------------------------
 def test_prefill_equals_token_by_token_decode(tiny):
     cfg, params = tiny
