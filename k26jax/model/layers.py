@@ -31,9 +31,9 @@ def pad_rows(x, rows_per_item: int = 1):
     return jnp.pad(x, [(0, need - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
-def mm(subscripts: str, x, w, out_dtype=None):
+def mm(subscripts: str, x, w, out_dtype=None, precision=None):
     """einsum with fp32 accumulation, returned in out_dtype (x's dtype by default). x and the result are
-    [B, T, ...] (leading rows padded on the GPU, see GPU_MIN_ROWS).
+    [B, T, ...] (leading rows padded on the GPU, see GPU_MIN_ROWS). w is cast to x's dtype.
 
     XLA:CPU has no bf16 x bf16 -> f32 batched-dot thunk, so on the CPU the operands are upcast first; that is
     exact, since a product of two bf16 values is representable in f32.
@@ -41,9 +41,9 @@ def mm(subscripts: str, x, w, out_dtype=None):
     out_dtype = out_dtype or x.dtype
     w = w.astype(x.dtype)
     if jax.default_backend() == "cpu" and x.dtype == jnp.bfloat16:
-        return jnp.einsum(subscripts, x.astype(F32), w.astype(F32)).astype(out_dtype)
+        return jnp.einsum(subscripts, x.astype(F32), w.astype(F32), precision=precision).astype(out_dtype)
     padded = pad_rows(x, x.shape[1])
-    out = jnp.einsum(subscripts, padded, w, preferred_element_type=F32).astype(out_dtype)
+    out = jnp.einsum(subscripts, padded, w, preferred_element_type=F32, precision=precision).astype(out_dtype)
     return out[:x.shape[0]]
 
 
@@ -159,8 +159,9 @@ def route(router_kernel_DE, router_bias_E, x_ND, cfg: ModelConfig):
     sum of their top-2 biased scores; experts of dropped groups masked to -inf, as HF's masked_fill does). The
     weights are the unbiased scores, normalised when norm_topk_prob, then times routed_scaling_factor.
     """
-    logits = jnp.dot(pad_rows(x_ND).astype(F32), router_kernel_DE.astype(F32),
-                     precision=jax.lax.Precision.HIGHEST)[:x_ND.shape[0]]
+    # fp32 logits: bf16 x bf16 products are exact in fp32, so this equals HF's fp32 linear up to summation order,
+    # without an fp32 copy of the router weights every step
+    logits = mm("bnd,de->bne", x_ND[None], router_kernel_DE, out_dtype=F32, precision=jax.lax.Precision.HIGHEST)[0]
     scores = jax.nn.sigmoid(logits)
     biased = scores + router_bias_E.astype(F32)
     if cfg.n_group > 1:
