@@ -88,3 +88,21 @@ def test_projection_scales_and_adds_collectives(bench):
         assert p["step_ms"] == pytest.approx(p["roofline_ms"] / row["eta_1gpu"] + p["collective_ms"])
         assert p["tok_s"] == pytest.approx(5.3 / p["step_ms"] * 1e3)
     assert row["ep"]["step_ms"] > row["tp"]["step_ms"]
+
+
+def test_large_values_lists_materialised_arrays_only(bench):
+    """A slice that a fused dot reads in place (inside a fused computation) is not listed; one copied out is."""
+    hlo = """HloModule m
+
+%fused_dot (p0: bf16[4,1024,1024], p1: s32[]) -> bf16[8,1024] {
+  %ds = bf16[1,1024,1024]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,1024,1024}
+  ROOT %dot = bf16[8,1024]{1,0} dot(%x, %ds)
+}
+
+ENTRY %main (w: bf16[4,1024,1024], i: s32[]) -> bf16[8,1024] {
+  %w = bf16[4,1024,1024]{2,1,0} parameter(0)
+  %copy = bf16[1,1024,1024]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%fused_copy
+  ROOT %out = bf16[8,1024]{1,0} fusion(%w, %i), kind=kCustom, calls=%fused_dot
+}
+"""
+    assert bench.large_values(hlo, 1 << 20) == ["fusion copy bf16[1,1024,1024] 0.00 GB"]

@@ -18,7 +18,7 @@ F32 = jnp.float32
 
 
 # On the GPU a dot of fewer rows is lowered to XLA's own kernel, which copies a weight sliced out of a layer stack
-# (ops.compiler_options); the dense dots below pad their rows up to this many so cuBLAS reads the slice in place.
+# (ops.COMPILER_OPTIONS); the dense dots below pad their rows up to this many so cuBLAS reads the slice in place.
 GPU_MIN_ROWS = 8
 
 
