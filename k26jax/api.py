@@ -65,7 +65,7 @@ class Model:
                                     self.params["lm_head"], jnp.asarray(context_features, self.dtype), bonus)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+@functools.partial(jax.jit, static_argnums=(3, 4, 5), compiler_options=ops.COMPILER_OPTIONS)
 def _prefill_jit(params, ids, lengths, cfg, impls, hidden_layer_ids):
     return target.forward_prefill(params, cfg, ids, lengths, impls, hidden_layer_ids)
 
