@@ -140,12 +140,14 @@ def _apply_rope(x_BTNK, cos_BTK, sin_BTK):
 
 # ---- layer pieces ------------------------------------------------------------------------------------------
 def _kv(attn, cfg: DrafterConfig, x_BTD, cos_BTK, sin_BTK):
-    """One layer's roped k and v [B,T,Hkv,K] for hidden rows x (context rows or the normed block)."""
+    """One layer's roped k and v, head-major [B,Hkv,T,K] as the context cache holds them, for hidden rows x
+    (context rows or the normed block)."""
     k = rms_norm(mm("btd,dmk->btmk", x_BTD, attn["k"]), attn["k_norm"], cfg.rms_norm_eps)
-    return _apply_rope(k, cos_BTK, sin_BTK), mm("btd,dmk->btmk", x_BTD, attn["v"])
+    head_major = lambda x: x.transpose(0, 2, 1, 3)
+    return head_major(_apply_rope(k, cos_BTK, sin_BTK)), head_major(mm("btd,dmk->btmk", x_BTD, attn["v"]))
 
 
-def _attend(q_BQNK, k_ctx_BMSK, v_ctx_BMSK, visible_BS, k_blk_BbMK, v_blk_BbMK):
+def _attend(q_BQNK, k_ctx_BMSK, v_ctx_BMSK, k_blk_BMbK, v_blk_BMbK, visible_BS=None):
     """GQA softmax attention over context rows plus the block (query head n uses kv head n // q_per_kv), fp32
     scores and softmax. The two key sets are scored apart and share one softmax, so the context cache is read
     where it lies (head-major: each head's rows are one [S, K] slab) instead of concatenated with the block."""
@@ -153,15 +155,16 @@ def _attend(q_BQNK, k_ctx_BMSK, v_ctx_BMSK, visible_BS, k_blk_BbMK, v_blk_BbMK):
     M = k_ctx_BMSK.shape[1]
     q = q_BQNK.reshape(B, Q, M, N // M, K)
     s_ctx = jnp.einsum("bqmgk,bmsk->bmgqs", q, k_ctx_BMSK, preferred_element_type=F32) * K ** -0.5
-    s_ctx = jnp.where(visible_BS[:, None, None, None, :], s_ctx, -jnp.inf)
-    s_blk = jnp.einsum("bqmgk,btmk->bmgqt", q, k_blk_BbMK, preferred_element_type=F32) * K ** -0.5
+    if visible_BS is not None:
+        s_ctx = jnp.where(visible_BS[:, None, None, None, :], s_ctx, -jnp.inf)
+    s_blk = jnp.einsum("bqmgk,bmtk->bmgqt", q, k_blk_BMbK, preferred_element_type=F32) * K ** -0.5
     m = jnp.maximum(s_ctx.max(-1, keepdims=True), s_blk.max(-1, keepdims=True))     # finite: the block is seen
     e_ctx, e_blk = jnp.exp(s_ctx - m), jnp.exp(s_blk - m)
     denom = e_ctx.sum(-1, keepdims=True) + e_blk.sum(-1, keepdims=True)
-    p_ctx, p_blk = (e_ctx / denom).astype(v_ctx_BMSK.dtype), (e_blk / denom).astype(v_blk_BbMK.dtype)
+    p_ctx, p_blk = (e_ctx / denom).astype(v_ctx_BMSK.dtype), (e_blk / denom).astype(v_blk_BMbK.dtype)
     # batch dims first in the output: XLA CPU rejects this bf16 x bf16 -> f32 dot written straight to [b,q,m,g,k]
     o_BMGQK = (jnp.einsum("bmgqs,bmsk->bmgqk", p_ctx, v_ctx_BMSK, preferred_element_type=F32)
-               + jnp.einsum("bmgqt,btmk->bmgqk", p_blk, v_blk_BbMK, preferred_element_type=F32))
+               + jnp.einsum("bmgqt,bmtk->bmgqk", p_blk, v_blk_BMbK, preferred_element_type=F32))
     return o_BMGQK.astype(q_BQNK.dtype).transpose(0, 3, 1, 2, 4).reshape(B, Q, N, K)
 
 
@@ -236,11 +239,9 @@ def _full_forward(params, cfg: DrafterConfig, embed_VD, context_features, bonus_
         raise ValueError(f"bonus_ids: batch {h.shape[0]} != context_features batch {B}")
     cos, sin = rope_cos_sin(cfg, jnp.broadcast_to(jnp.arange(Tc + cfg.block_size), (B, Tc + cfg.block_size)))
 
-    visible = jnp.ones((B, Tc), bool)
-
     def body(h, layer):
-        k_ctx, v_ctx = (x.transpose(0, 2, 1, 3) for x in _kv(layer["attn"], cfg, ctx_BTD, cos[:, :Tc], sin[:, :Tc]))
-        attend = lambda q, k, v: _attend(q, k_ctx, v_ctx, visible, k, v)
+        k_ctx, v_ctx = _kv(layer["attn"], cfg, ctx_BTD, cos[:, :Tc], sin[:, :Tc])
+        attend = lambda q, k, v: _attend(q, k_ctx, v_ctx, k, v)
         h = _layer(layer, cfg, h, cos[:, Tc:], sin[:, Tc:], attend)
         return h, h
 
@@ -259,8 +260,7 @@ def context_kv(params, cfg: DrafterConfig, context_features, positions):
         raise ValueError(f"positions: expected {ctx_BTD.shape[:2]}, got {positions.shape}")
     cos, sin = rope_cos_sin(cfg, positions)
     # a loop, not vmap: XLA would turn the vmapped dot into one GEMM over a transposed copy of all layers' weights
-    k, v = jax.lax.map(lambda attn: _kv(attn, cfg, ctx_BTD, cos, sin), params["layers"]["attn"])
-    return k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4)
+    return jax.lax.map(lambda attn: _kv(attn, cfg, ctx_BTD, cos, sin), params["layers"]["attn"])
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
@@ -283,7 +283,7 @@ def draft_block(params, cfg: DrafterConfig, embed_VD, lm_head_DV, ctx_k, ctx_v, 
 
     def body(h, xs):
         layer, k_ctx, v_ctx = xs
-        attend = lambda q, k, v: _attend(q, k_ctx, v_ctx, visible, k, v)
+        attend = lambda q, k, v: _attend(q, k_ctx, v_ctx, k, v, visible)
         return _layer(layer, cfg, h, cos, sin, attend), None
 
     h, _ = jax.lax.scan(body, h, (params["layers"], ctx_k, ctx_v))
