@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import int4_moe_gemm as moe
+from pallas_kernels import int4_moe_mosaic
 
 warnings.filterwarnings("ignore", category=DeprecationWarning, message="The Pallas Triton backend is deprecated")
 
@@ -76,6 +77,14 @@ SWAP_RACE = {  # run 8: swapped-operand (wgmma) candidates against the current d
     1024: ("m32_n64_nf", "m32_n64_swap_nf", "m32_n64_kw16_swap_nf", "m32_n64_kw16_s4_swap_nf",
            "m64_n64_kw16_swap_nf"),
     4096: ("m32_n128_w8_nf", "m64_n64_kw16_swap_nf", "m64_n128_kw16_w8_swap_nf"),
+}
+MOSAIC = {"mosaic_m16": 16, "mosaic_m32": 32, "mosaic_m64": 64}  # int4_moe_mosaic.fused_moe_mosaic, block_m
+MOSAIC_RACE = {  # the Mosaic GPU kernels against the Triton defaults
+    64: ("m16_n64_nf", "mosaic_m16"),
+    256: ("m16_n64_nf", "mosaic_m16", "mosaic_m32"),
+    512: ("m16_n64_nf", "mosaic_m16", "mosaic_m32"),
+    1024: ("m32_n64_nf", "mosaic_m16", "mosaic_m32", "mosaic_m64"),
+    4096: ("m64_n64_kw16_swap_nf", "mosaic_m64"),
 }
 CANDIDATES = {  # raced per M (the wrapper's choose_tiling is set from these results)
     1: ("pair_n64", "pair_n64_kw16", "pair_n64_kw16_s4"),
@@ -204,10 +213,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=200.0, help="start no new case after this many s")
     parser.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse)")
-    parser.add_argument("--race", choices=("default", "swap"), default="default",
-                        help="candidate set per M: CANDIDATES (default) or SWAP_RACE")
+    parser.add_argument("--race", choices=("default", "swap", "mosaic"), default="default",
+                        help="candidate set per M: CANDIDATES (default), SWAP_RACE or MOSAIC_RACE")
     args = parser.parse_args()
-    candidates = SWAP_RACE if args.race == "swap" else CANDIDATES
+    candidates = {"swap": SWAP_RACE, "mosaic": MOSAIC_RACE}.get(args.race, CANDIDATES)
     t_start = time.perf_counter()
     shapes = QUICK if args.quick else K26
     interpret = args.quick
@@ -241,12 +250,16 @@ def main():
         x = jax.random.normal(jax.random.fold_in(key, 10_000 + m), (m, d), jnp.float32).astype(jnp.bfloat16)
         routings[m] = (x.astype(jnp.float32) if args.quick else x, ids, weights)
         default = moe.fit_tiling(moe.choose_tiling(m, top_k, routings[m][0].dtype, interpret), d, i)
-        named = {} if args.quick else {name: moe.fit_tiling(TILINGS[name], d, i) for name in candidates.get(m, ())}
+        names = () if args.quick else candidates.get(m, ())
+        named = {name: moe.fit_tiling(TILINGS[name], d, i) for name in names if name not in MOSAIC}
         if default not in named.values():
             named["default"] = default
         for name, tiling in named.items():
             fn = functools.partial(moe.fused_moe, tiling=tiling, interpret=interpret)
             cases.append((name, "pallas", m, fn, experts, tiling))
+        for name in (n for n in names if n in MOSAIC):
+            fn = functools.partial(int4_moe_mosaic.fused_moe_mosaic, block_m=MOSAIC[name])
+            cases.append((name, "mosaic", m, fn, experts, None))
     if not args.no_baselines:
         k4a, k4b, kba, kbb = jax.random.split(jax.random.fold_in(key, 7), 4)
         int4 = (jax.random.randint(k4a, (num_experts, d, 2 * i), -8, 8, jnp.int8).astype(jnp.int4), experts[1],
@@ -272,7 +285,7 @@ def main():
         x, ids, weights = routings[m]
         try:
             loop = chained_loop(fn, iters_for(kind, m))
-            single = jax.jit(fn).lower(x, ids[0], weights[0], *operands).compile() if kind == "pallas" else None
+            single = jax.jit(fn).lower(x, ids[0], weights[0], *operands).compile() if kind != "baseline" else None
             return loop.lower(x, ids, weights, *operands).compile(), single, None
         except Exception as e:  # a variant that Triton cannot compile is reported, not fatal
             return None, None, f"{type(e).__name__}: {str(e)[:300]}"

@@ -1,0 +1,339 @@
+"""Large-M INT4 MoE GEMMs as warp-specialised Mosaic GPU kernels (Hopper, bf16): the weights dequantized in
+registers feed wgmma as its A operand, so every weight tile is dequantized once for up to 64 rows.
+
+Why a second backend (bench/moe_gemm.md): the Triton kernels dequantize a weight tile once per 16- or
+32-row block and keep it in registers next to a [rows, 64] accumulator; from ~20 rows an expert (M >= 512)
+they either dequantize twice or run two CTAs an SM, and fall to 55-70% of the floor. Here each CTA owns
+its pipeline:
+
+  persistent CTAs walk the tiles (row block b, N tile n) of the sorted routing;
+  warpgroup 2 streams, per K stage of 256 inputs: two [32 words, 128 cols] int32 weight tiles, their
+    [8 groups, 128] bf16 scales and the block's 4 x [block_m, 64] activations, through an S-stage TMA ring
+    that runs on across tiles;
+  warpgroups 0 and 1 each take 64 of the 128 columns: load the words transposed ([64 cols, 32 words], each
+    thread holding rows r, r+8 and words 2q, 2q+1 of every 8), dequantize a 64-input chunk into the bf16
+    wgmma A fragment [64 cols, 64 inputs] with PTX (lop3 / sub / mul, bf16(q * scale) rounded once), and
+    issue wgmma against the activations.
+
+The A fragment of thread (row r, quad lane q) covers inputs k = 16i + 8e + 2q + h of a chunk (k16 step i,
+half e, pair h). The nibbles a thread holds are inputs 8 * (2q + e) + j of its two words, so wgmma column k
+is fed physical input P1[k] = 16q + 8e + 4h + i: (nibble i, nibble i + 4) of word 2q + e is one bf16x2
+register. The activations are permuted the same way (`permute_inputs`), so the product is unchanged.
+
+The two weight tiles are (gate, up) of one 128-column slice for gate_up (epilogue silu(gate) * up -> h, bf16)
+and two adjacent 128-column slices for down (epilogue: fp32 rows written per (token, expert) pair; the
+routing weight and the top-k sum are applied by the caller).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.int4_moe_gemm import GROUP, PACK, dequantize_int4, sort_routing
+
+CHUNK = 64  # inputs a wgmma call (one 128-byte swizzle row of bf16)
+STAGE_WORDS = 32  # packed int32 rows a pipeline stage: 256 inputs, 4 chunks
+STAGE_CHUNKS = STAGE_WORDS * PACK // CHUNK
+TILE_N = 128  # columns a TMA weight tile; each compute warpgroup takes 64
+WG_N = 64
+NUM_COPIES = 2 + 2 + STAGE_CHUNKS  # TMA copies arriving on a stage's barrier: weights, scales, activations
+SMEM_BYTES = 227 * 1024
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+
+
+def _input_permutation():
+    """P1 [64]: wgmma column k of a chunk reads physical input P1[k] (see the module docstring)."""
+    k = np.arange(CHUNK)
+    i, e, q, h = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
+    return 16 * q + 8 * e + 4 * h + i
+
+
+P1 = _input_permutation()
+
+
+def permute_inputs(a):
+    """[..., K] -> [..., K] with column 64t + k holding a[..., 64t + P1[k]] (K a multiple of 64)."""
+    chunks = a.reshape(*a.shape[:-1], a.shape[-1] // CHUNK, CHUNK)
+    return chunks[..., P1].reshape(a.shape)
+
+
+_DEQUANT_ASM = """{
+.reg .b32 t;
+lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA;
+sub.bf16x2 t, t, $3;
+mul.rn.bf16x2 $0, t, $2;
+}"""  # (128 + u) - 136 = q exactly; one rounding of q * scale
+
+
+def _dequant_chunk(words, scale_even, scale_odd):
+    """words int32 [64, 8] (WGMMA layout: thread holds words 2q, 2q+1 of rows r, r+8), scales bf16 [64] of the
+    chunk's two groups (WGMMA row layout) -> bf16 [64, 64] WGMMA A fragment in P1 order."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, _ROW, _ROW),
+                       return_type=plgpu.ShapeDtypeStruct((64, CHUNK), jnp.bfloat16, plgpu.Layout.WGMMA))
+    def dequant(_, words, scale_even, scale_odd):
+        i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        c = lambda v: arith.constant(i32, v)
+        odd_group = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(mgpu_utils.thread_idx(), c(2)), c(0))
+        neg136 = c(0x43084308)
+        out = np.empty((8, 2), dtype=object)  # [k8 block 2i + e, row half]
+        for half in range(2):
+            pair = words.registers.flat[half]  # vector<2xi32>: words 2q, 2q+1 of this row
+            s_even = mgpu_utils.bitcast(scale_even.registers.flat[half], i16)
+            s_odd = mgpu_utils.bitcast(scale_odd.registers.flat[half], i16)
+            s = arith.extui(i32, arith.select(odd_group, s_odd, s_even))
+            s2 = arith.ori(s, arith.shli(s, c(16)))  # {s, s}
+            for e in range(2):
+                word = llvm.extractelement(pair, arith.constant(i32, e))
+                for i in range(4):
+                    shifted = arith.shrui(word, c(4 * i)) if i else word
+                    reg = llvm.inline_asm(i32, [shifted, s2, neg136], _DEQUANT_ASM, "=r,r,r,r")
+                    out[2 * i + e, half] = mgpu_utils.bitcast(reg, bf16x2)
+        return mgpu_fa.FragmentedArray(_registers=out.reshape(1, 8, 1, 1, 2, 1, 1, 1, 1),
+                                       _layout=mgpu_fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return dequant(words, scale_even, scale_odd)
+
+
+def _dequant_chunk_jnp(words, scales, chunk):
+    """Interpret-mode twin of `_dequant_chunk`: words int32 [64, 32], scales bf16 [8, 64] of the stage ->
+    bf16 [64, 64] in P1 order. (No array constants: the kernel may not capture any.)"""
+    chunk_words = words[:, chunk * 8:(chunk + 1) * 8]
+    shifts = lax.broadcasted_iota(jnp.int32, (64, 8, PACK), 2) * 4
+    q = (lax.shift_right_logical(chunk_words[:, :, None], shifts) & 0xF) - 8  # [col, word, nibble]
+    scale = scales[2 * chunk:2 * chunk + 2].T.astype(jnp.float32)  # [col, group]: words 0-3, 4-7
+    w = q.reshape(64, 2, 4 * PACK).astype(jnp.float32) * scale[:, :, None]
+    # physical input p = 16q + 8e + 4h + i -> wgmma column k = 16i + 8e + 2q + h
+    w = w.astype(jnp.bfloat16).reshape(64, 4, 2, 2, 4).transpose(0, 4, 2, 1, 3)
+    return w.reshape(64, CHUNK)
+
+
+def _smem(shape, dtype, row_bytes):
+    swizzle = min(128, row_bytes)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)))
+
+
+def _kernel(num_blocks_ref, block_expert_ref, slot_pair_ref, x_ref, w_ref, s_ref, out_ref, w_smem, s_smem, x_smem,
+            a_smem, out_smem, pair_smem, full_bars, empty_bars, pair_bars, *, gate_up, block_m, num_stages,
+            wgmma_in_flight, interpret):
+    """Both GEMMs. x [rows, K] bf16 (P1-permuted, rows in slot order); gate_up: w [E, K/8, 2, N] int32,
+    s [E, K/32, 2, N] bf16, out h [rows, N] bf16; down: w [E, K/8, N], s [E, K/32, N], out y_pairs [P, N] f32."""
+    sm, wg, num_sms = lax.axis_index("sm"), lax.axis_index("wg"), lax.axis_size("sm")
+    cols_per_tile = 2 * TILE_N if not gate_up else TILE_N
+    num_n_tiles = out_ref.shape[1] // cols_per_tile
+    steps = x_ref.shape[1] // (STAGE_WORDS * PACK)
+    num_tiles = num_blocks_ref[0] * num_n_tiles
+    my_tiles = jnp.maximum(lax.div(num_tiles - sm + num_sms - 1, num_sms), 0)
+    total_steps = my_tiles * steps
+
+    def tile_coords(j):
+        t = sm + j * num_sms
+        return lax.div(t, num_n_tiles), lax.rem(t, num_n_tiles)
+
+    @pl.when(wg == 2)
+    def _memory_warpgroup():
+        plgpu.set_max_registers(40, action="decrease")
+
+        @pl.loop(0, my_tiles)
+        def _tile(j):
+            b, n = tile_coords(j)
+            expert = block_expert_ref[b]
+
+            @pl.loop(0, steps)
+            def _step(k):
+                g = j * steps + k
+                slot = lax.rem(g, num_stages)
+
+                @pl.when(g >= num_stages)
+                def _():
+                    plgpu.barrier_wait(empty_bars.at[slot])
+
+                bar = full_bars.at[slot]
+                words = pl.ds(pl.multiple_of(k * STAGE_WORDS, STAGE_WORDS), STAGE_WORDS)
+                groups = pl.ds(pl.multiple_of(k * STAGE_WORDS // 4, 8), STAGE_WORDS // 4)
+                for o in range(2):
+                    if gate_up:
+                        cols = pl.ds(pl.multiple_of(n * TILE_N, TILE_N), TILE_N)
+                        w_src, s_src = w_ref.at[expert, words, o, cols], s_ref.at[expert, groups, o, cols]
+                    else:
+                        cols = pl.ds(pl.multiple_of(n * 2 * TILE_N + o * TILE_N, TILE_N), TILE_N)
+                        w_src, s_src = w_ref.at[expert, words, cols], s_ref.at[expert, groups, cols]
+                    plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot, o], bar)
+                    plgpu.copy_gmem_to_smem(s_src, s_smem.at[slot, o], bar)
+                rows = pl.ds(pl.multiple_of(b * block_m, block_m), block_m)
+                for c in range(STAGE_CHUNKS):
+                    inputs = pl.ds(pl.multiple_of(k * STAGE_WORDS * PACK + c * CHUNK, CHUNK), CHUNK)
+                    plgpu.copy_gmem_to_smem(x_ref.at[rows, inputs], x_smem.at[slot, c], bar)
+
+        @pl.loop(jnp.maximum(total_steps - num_stages, 0), total_steps)
+        def _drain(g):  # observe every phase of the barriers this warpgroup waits on (the interpreter checks)
+            plgpu.barrier_wait(empty_bars.at[lax.rem(g, num_stages)])
+
+    def compute_warpgroup(w):
+        plgpu.set_max_registers(232, action="increase")
+        my_cols = pl.ds(w * WG_N, WG_N)
+
+        def mainloop(j, acc_refs):
+            @pl.loop(0, steps)
+            def _step(k):
+                slot = lax.rem(j * steps + k, num_stages)
+                plgpu.barrier_wait(full_bars.at[slot])
+                tiles = [w_smem.at[slot, o, :, my_cols].T for o in range(2)]  # [64 cols, 32 words] each
+                if interpret:
+                    words = [tile[...] for tile in tiles]
+                    scales = [s_smem[slot, o, :, my_cols] for o in range(2)]
+                else:
+                    words = [plgpu.layout_cast(plgpu.load(tile, (), layout=plgpu.Layout._WGMMA_ACC_32BIT),
+                                               plgpu.Layout.WGMMA) for tile in tiles]
+                for c in range(STAGE_CHUNKS):
+                    x_t = x_smem.at[slot, c].T
+                    for o, acc_ref in enumerate(acc_refs):
+                        if interpret:
+                            a_smem[w] = _dequant_chunk_jnp(words[o], scales[o], c)
+                            plgpu.commit_smem()
+                            plgpu.wgmma(acc_ref, a_smem.at[w], x_t)
+                            plgpu.wgmma_wait(0)
+                        else:  # dequantize the next chunk while this one multiplies
+                            s_even, s_odd = (plgpu.load(s_smem.at[slot, o, 2 * c + h, my_cols], (), layout=_ROW,
+                                                        optimized=False) for h in range(2))
+                            plgpu.wgmma(acc_ref, _dequant_chunk(words[o][:, c * 8:(c + 1) * 8], s_even, s_odd), x_t)
+                            plgpu.wgmma_wait(wgmma_in_flight)
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(empty_bars.at[slot])
+
+            return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+        @pl.loop(0, my_tiles)
+        def _tile(j):
+            b, n = tile_coords(j)
+            if not gate_up:  # the block's pair ids, read per row by the epilogue
+                first = pl.multiple_of(b * block_m, block_m)
+                plgpu.copy_gmem_to_smem(slot_pair_ref.at[pl.ds(first, pair_smem.shape[1])], pair_smem.at[w],
+                                        pair_bars.at[w])
+            accs = pl.run_scoped(functools.partial(mainloop, j), (plgpu.ACC((WG_N, block_m), jnp.float32),) * 2)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read out_smem
+            rows = pl.ds(pl.multiple_of(b * block_m, block_m), block_m)
+            if gate_up:
+                gate, up = accs
+                h = gate / (1.0 + jnp.exp(-gate)) * up
+                out_smem.at[w].T[...] = plgpu.layout_cast(h.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                cols = pl.ds(pl.multiple_of(n * TILE_N + w * WG_N, WG_N), WG_N)
+                plgpu.copy_smem_to_gmem(out_smem.at[w], out_ref.at[rows, cols])
+            else:
+                for o, acc in enumerate(accs):
+                    out_smem.at[w, o].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                plgpu.barrier_wait(pair_bars.at[w])
+                for r in range(block_m):
+                    pair = pair_smem[w, r]
+
+                    @pl.when(pair >= 0)
+                    def _():
+                        for o in range(2):
+                            cols = pl.ds(pl.multiple_of(n * 2 * TILE_N + o * TILE_N + w * WG_N, WG_N), WG_N)
+                            plgpu.copy_smem_to_gmem(out_smem.at[w, o, pl.ds(r, 1)], out_ref.at[pl.ds(pair, 1), cols])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    for w in range(2):
+        pl.when(wg == w)(functools.partial(compute_warpgroup, w))
+
+
+def _pair_window(block_m):
+    """Pair ids a down tile copies: its block_m, at least 32 (a TMA copy moves a multiple of 128 bytes)."""
+    return max(block_m, 32)
+
+
+def _grouped_gemm(num_blocks, block_expert, slot_pair, x, w, s, out_type, *, gate_up, block_m, num_sms,
+                  wgmma_in_flight, interpret):
+    stage_bytes = 2 * (STAGE_WORDS * TILE_N * 4 + STAGE_WORDS // 4 * TILE_N * 2) + STAGE_CHUNKS * block_m * CHUNK * 2
+    if gate_up:
+        out_smem = _smem((2, block_m, WG_N), jnp.bfloat16, 128)
+        out_bytes = 2 * block_m * WG_N * 2
+    else:
+        out_smem = plgpu.SMEM((2, 2, block_m, WG_N), jnp.float32)
+        out_bytes = 4 * block_m * WG_N * 4
+    a_bytes = 2 * 64 * CHUNK * 2 if interpret else 0
+    num_stages = min(4, (SMEM_BYTES - out_bytes - a_bytes - 2048) // stage_bytes)
+    scratch = [
+        _smem((num_stages, 2, STAGE_WORDS, TILE_N), jnp.int32, 128),  # w_smem [slot, tile]
+        plgpu.SMEM((num_stages, 2, STAGE_WORDS // 4, TILE_N), jnp.bfloat16),  # s_smem [slot, tile, group, col]
+        _smem((num_stages, STAGE_CHUNKS, block_m, CHUNK), jnp.bfloat16, 128),  # x_smem [slot, chunk]
+        _smem((2, 64, CHUNK), jnp.bfloat16, 128) if interpret else plgpu.SMEM((1,), jnp.float32),  # a_smem
+        out_smem,
+        plgpu.SMEM((2, _pair_window(block_m)), jnp.int32),  # pair_smem [warpgroup, row] (down)
+        plgpu.Barrier(num_arrivals=NUM_COPIES, num_barriers=num_stages),  # full_bars
+        plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # empty_bars
+        plgpu.Barrier(num_barriers=2),  # pair_bars [warpgroup]
+    ]
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, gate_up=gate_up, block_m=block_m, num_stages=num_stages,
+                          wgmma_in_flight=wgmma_in_flight, interpret=interpret),
+        out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",), num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    slot_pair = jnp.pad(slot_pair, (0, _pair_window(block_m) - block_m), constant_values=-1)
+    return kernel(num_blocks, block_expert, slot_pair, x, w, s)
+
+
+def default_num_sms():
+    """Persistent CTAs: the SM count of the first GPU (132 on an H200 when none is attached, e.g. CPU tests)."""
+    device = jax.devices()[0]
+    return getattr(device, "core_count", 132) if device.platform == "gpu" else 132
+
+
+@functools.partial(jax.jit, static_argnames=["block_m", "out_dtype", "interpret", "num_sms", "wgmma_in_flight"])
+def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset=0,
+                     block_m=32, out_dtype=None, interpret=False, layer=None, num_sms=None, wgmma_in_flight=1):
+    """Mosaic GPU fused MoE with the contract of `int4_moe_gemm.fused_moe_reference` (bf16 x only).
+
+    Routing in XLA as the Triton path does (pairs sorted by expert, each group padded to block_m rows); the
+    activations are gathered into slot order and P1-permuted, h is P1-permuted between the GEMMs, and the
+    routing weights and the top-k sum are applied in fp32 by the combine. layer: weights stacked per layer
+    ([n, E, ...]), indexed in place. block_m: 16, 32 or 64 rows a block.
+    """
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"the Mosaic MoE kernels take bf16 x, got {x.dtype}")
+    if block_m not in (16, 32, 64):
+        raise ValueError(f"block_m must be 16, 32 or 64, got {block_m}")
+    weights = (w13_packed, w13_scale, w2_packed, w2_scale)
+    if layer is not None:
+        num_layers, num_experts = w13_packed.shape[:2]
+        if any(w.shape[:2] != (num_layers, num_experts) for w in weights):
+            raise ValueError(f"stacked weights must share their leading [n, E] dims, got {[w.shape for w in weights]}")
+        weights = tuple(w.reshape((num_layers * num_experts,) + w.shape[2:]) for w in weights)
+    else:
+        num_experts = w13_packed.shape[0]
+    d, i = x.shape[1], w13_packed.shape[-1]
+    stage_inputs = STAGE_WORDS * PACK
+    if d % (2 * TILE_N) or d % stage_inputs or i % TILE_N or i % stage_inputs:
+        raise ValueError(f"D={d} must be a multiple of {2 * TILE_N} and I={i} of {stage_inputs}")
+    num_tokens, top_k = topk_ids.shape
+    local_ids = topk_ids.reshape(-1).astype(jnp.int32) - expert_offset
+    route = sort_routing(local_ids, num_experts, block_m)
+    num_blocks = jnp.sum(route.block_expert >= 0, dtype=jnp.int32)[None]  # used blocks come first
+    block_expert = route.block_expert + (0 if layer is None else layer * num_experts)
+    token = jnp.maximum(route.slot_pair, 0) // top_k
+    xs = jnp.where(route.slot_pair[:, None] >= 0, permute_inputs(x)[token], 0)
+    common = dict(block_m=block_m, num_sms=num_sms or default_num_sms(), wgmma_in_flight=wgmma_in_flight,
+                  interpret=interpret)
+    h = _grouped_gemm(num_blocks, block_expert, route.slot_pair, xs, *weights[:2],
+                      jax.ShapeDtypeStruct((xs.shape[0], i), x.dtype), gate_up=True, **common)
+    y_pairs = _grouped_gemm(num_blocks, block_expert, route.slot_pair, permute_inputs(h), *weights[2:],
+                            jax.ShapeDtypeStruct((num_tokens * top_k, d), jnp.float32), gate_up=False, **common)
+    on_shard = ((local_ids >= 0) & (local_ids < num_experts))[:, None]
+    y_pairs = jnp.where(on_shard, y_pairs, 0.0) * topk_weights.reshape(-1, 1).astype(jnp.float32)
+    return y_pairs.reshape(num_tokens, top_k, d).sum(axis=1).astype(out_dtype or x.dtype)
