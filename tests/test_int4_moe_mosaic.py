@@ -1,0 +1,128 @@
+"""pallas_kernels.int4_moe_mosaic: the register mapping of the PTX dequant (numpy emulation), interpret mode
+against the jnp reference, bad input, cuda lowering. (The PTX itself runs only on the GPU: bench_moe_gemm.py
+checks every case against the reference there.)"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+from pallas_kernels import int4_moe_gemm as moe
+from pallas_kernels import int4_moe_mosaic as mosaic
+from tests.test_int4_moe_gemm import random_experts, random_routing, rel_err
+
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                                                 platform="cuda"))
+
+
+def bf16_product(q, scale):
+    return np.asarray(jnp.asarray(np.float32(q) * np.float32(scale), jnp.bfloat16).astype(jnp.float32))
+
+
+def emulate_ptx_fragment(words_NW, scales_GN, chunk):
+    """What `_dequant_chunk` leaves in each thread's registers, placed at the wgmma A coordinates PTX defines.
+
+    words_NW int32 [64 cols, 32 words], scales_GN [8 groups, 64 cols] -> float32 [64, 64]. Thread t (warp t//32,
+    lane l) holds rows r = 16 warp + l//4 and r + 8 and words 8 chunk + 2q + e (q = l % 4); its register
+    (k8 block 2i + e, row half) = (nibble i, nibble i + 4) of word e, at A columns 8(2i + e) + 2q and + 1."""
+    a = np.full((64, mosaic.CHUNK), np.nan, np.float32)
+    u = words_NW.view(np.uint32)
+    for t in range(128):
+        lane, q = t % 32, t % 4
+        for half in range(2):
+            row = 16 * (t // 32) + lane // 4 + 8 * half
+            scale = scales_GN[2 * chunk + (1 if t & 2 else 0), row]
+            for e in range(2):
+                word = int(u[row, 8 * chunk + 2 * q + e])
+                for i in range(4):
+                    lo, hi = (word >> (4 * i)) & 0xF, (word >> (4 * i + 16)) & 0xF
+                    col = 8 * (2 * i + e) + 2 * q
+                    a[row, col], a[row, col + 1] = bf16_product(lo - 8, scale), bf16_product(hi - 8, scale)
+    return a
+
+
+def test_ptx_fragment_is_the_p1_permuted_weight_tile():
+    """The registers the kernel builds are exactly W[n, 64 chunk + P1[k]] (its interpret twin agrees), so the
+    product with P1-permuted activations equals the plain product."""
+    rng = np.random.default_rng(0)
+    words = rng.integers(-2**31, 2**31, (64, 32), dtype=np.int64).astype(np.int32)
+    scales = np.asarray(jnp.asarray(rng.uniform(0.5, 2.0, (8, 64)), jnp.bfloat16).astype(jnp.float32))
+    nibbles = (words.view(np.uint32)[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF  # [n, word, k]
+    q_NK = nibbles.reshape(64, 256).astype(np.int64) - 8  # input 8j + k = nibble k of word j
+    for chunk in range(4):
+        inputs = 64 * chunk + mosaic.P1
+        expected = bf16_product(q_NK[:, inputs], scales[inputs // 32, np.arange(64)[:, None]])
+        fragment = emulate_ptx_fragment(words, scales, chunk)
+        np.testing.assert_array_equal(fragment, expected)
+        twin = mosaic._dequant_chunk_jnp(jnp.asarray(words), jnp.asarray(scales, jnp.bfloat16), chunk)
+        np.testing.assert_array_equal(np.asarray(twin.astype(jnp.float32)), expected)
+    x = rng.normal(size=(3, 256)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(mosaic.permute_inputs(jnp.asarray(x)))[:, 64 + 5], x[:, 64 + mosaic.P1[5]])
+    assert sorted(mosaic.P1) == list(range(64))
+
+
+def mosaic_moe(**kw):
+    return jax.jit(functools.partial(mosaic.fused_moe_mosaic, interpret=True, num_sms=3, **kw))
+
+
+def close(y, y_ref):
+    """bf16 h and a different fp32 summation order than XLA's dots flip a few bf16 roundings of h: <= 3e-6 here.
+    A wrong scale group, nibble or permutation anywhere gives > 1e-2."""
+    return rel_err(y, y_ref) < 1e-4
+
+
+@pytest.mark.parametrize("num_tokens,top_k,block_m", [(1, 2, 16), (17, 2, 32), (40, 4, 16), (24, 8, 64)])
+def test_interpret_matches_reference(num_tokens, top_k, block_m):
+    """Ragged groups (8 experts; at small M most get no token) and ids past the 8 local experts (off-shard).
+    float32 output, so the final bf16 rounding does not hide errors."""
+    experts, _ = random_experts(1, num_experts=8, d=512, i=256)
+    x = jnp.asarray(np.random.default_rng(num_tokens).normal(size=(num_tokens, 512)), jnp.bfloat16)
+    ids, weights = random_routing(num_tokens, num_tokens, top_k, 10)
+    y_ref = moe.fused_moe_reference(x, ids, weights, *experts, out_dtype=jnp.float32)
+    assert close(mosaic_moe(block_m=block_m, out_dtype=jnp.float32)(x, ids, weights, *experts), y_ref)
+
+
+def test_extreme_values_stacked_layers_and_expert_offset():
+    """q in {-8, 7}; weights stacked per layer and indexed in place; ids offset as an expert-parallel shard."""
+    layers = [random_experts(seed, num_experts=4, d=512, i=256, extremes=True)[0] for seed in (5, 6)]
+    stacked = tuple(jnp.stack(ws) for ws in zip(*layers))
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(9, 512)), jnp.bfloat16)
+    ids, weights = random_routing(4, 9, 2, 12)
+    for layer in range(2):
+        y_ref = moe.fused_moe_reference(x, ids, weights, *layers[layer], expert_offset=4, out_dtype=jnp.float32)
+        y = mosaic_moe(block_m=16, out_dtype=jnp.float32)(x, ids, weights, *stacked, expert_offset=4,
+                                                          layer=jnp.int32(layer))
+        assert close(y, y_ref)
+
+
+def test_bad_arguments_are_named():
+    experts, _ = random_experts(1, num_experts=2, d=512, i=256)
+    ids, weights = random_routing(0, 2, 1, 2)
+    with pytest.raises(ValueError, match="bf16 x"):
+        mosaic.fused_moe_mosaic(jnp.zeros((2, 512), jnp.float32), ids, weights, *experts)
+    with pytest.raises(ValueError, match="block_m"):
+        mosaic.fused_moe_mosaic(jnp.zeros((2, 512), jnp.bfloat16), ids, weights, *experts, block_m=8)
+    small, _ = random_experts(1, num_experts=2, d=128, i=256)
+    with pytest.raises(ValueError, match="D=128"):
+        mosaic.fused_moe_mosaic(jnp.zeros((2, 128), jnp.bfloat16), ids, weights, *small)
+
+
+@pytest.mark.parametrize("block_m,stacked", [(16, False), (32, True), (64, False)])
+def test_lowers_for_cuda(block_m, stacked):
+    """K2.6 shapes for an H200: Mosaic lays out and lowers both kernels (register layouts, TMA boxes, shared
+    memory budget) without a GPU."""
+    e, d, i, lead = 384, 7168, 2048, (3,) if stacked else ()
+    args = [jax.ShapeDtypeStruct((1024, d), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 8), jnp.int32),
+            jax.ShapeDtypeStruct((1024, 8), jnp.float32),
+            jax.ShapeDtypeStruct(lead + (e, d // 8, 2, i), jnp.int32),
+            jax.ShapeDtypeStruct(lead + (e, d // 32, 2, i), jnp.bfloat16),
+            jax.ShapeDtypeStruct(lead + (e, i // 8, d), jnp.int32),
+            jax.ShapeDtypeStruct(lead + (e, i // 32, d), jnp.bfloat16)]
+    layer = dict(layer=jax.ShapeDtypeStruct((), jnp.int32)) if stacked else {}
+    with use_abstract_mesh(H200):
+        hlo = jax.jit(functools.partial(mosaic.fused_moe_mosaic, block_m=block_m, num_sms=132)).trace(
+            *args, **layer).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("@mosaic_gpu_v2(") == 2
+    assert "dynamic_slice" not in hlo  # a stacked layer is indexed inside the kernels
