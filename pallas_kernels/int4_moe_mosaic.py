@@ -18,7 +18,7 @@ its pipeline:
 The A fragment of thread (row r, quad lane q) covers inputs k = 16i + 8e + 2q + h of a chunk (k16 step i,
 half e, pair h). The nibbles a thread holds are inputs 8 * (2q + e) + j of its two words, so wgmma column k
 is fed physical input P1[k] = 16q + 8e + 4h + i: (nibble i, nibble i + 4) of word 2q + e is one bf16x2
-register. The activations are permuted the same way (`permute_inputs`), so the product is unchanged.
+register. The activations are permuted the same way (`to_p1_order`), so the product is unchanged.
 
 The two weight tiles are (gate, up) of one 128-column slice for gate_up (epilogue silu(gate) * up -> h, bf16)
 and two adjacent 128-column slices for down (epilogue: fp32 rows written per (token, expert) pair; the
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm
+from jax._src.lib.mlir.dialects import arith, llvm, memref
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental import pallas as pl
@@ -59,10 +59,13 @@ def _input_permutation():
 P1 = _input_permutation()
 
 
-def permute_inputs(a):
-    """[..., K] -> [..., K] with column 64t + k holding a[..., 64t + P1[k]] (K a multiple of 64)."""
-    chunks = a.reshape(*a.shape[:-1], a.shape[-1] // CHUNK, CHUNK)
-    return chunks[..., P1].reshape(a.shape)
+def to_p1_order(a):
+    """[..., K] -> [..., K] with column 64t + k holding a[..., 64t + P1[k]] (K a multiple of 64). A reshape and
+    transpose (physical p = 16q + 8e + 4h + i -> k = 16i + 8e + 2q + h), so kernels may use it too."""
+    lead = a.shape[:-1]
+    split = a.reshape(*lead, a.shape[-1] // CHUNK, 4, 2, 2, 4)  # [..., t, q, e, h, i]
+    n = split.ndim
+    return split.transpose(*range(n - 4), n - 1, n - 3, n - 4, n - 2).reshape(a.shape)
 
 
 _DEQUANT_ASM = """{
@@ -112,9 +115,34 @@ def _dequant_chunk_jnp(words, scales, chunk):
     q = (lax.shift_right_logical(chunk_words[:, :, None], shifts) & 0xF) - 8  # [col, word, nibble]
     scale = scales[2 * chunk:2 * chunk + 2].T.astype(jnp.float32)  # [col, group]: words 0-3, 4-7
     w = q.reshape(64, 2, 4 * PACK).astype(jnp.float32) * scale[:, :, None]
-    # physical input p = 16q + 8e + 4h + i -> wgmma column k = 16i + 8e + 2q + h
-    w = w.astype(jnp.bfloat16).reshape(64, 4, 2, 2, 4).transpose(0, 4, 2, 1, 3)
-    return w.reshape(64, CHUNK)
+    return to_p1_order(w.astype(jnp.bfloat16).reshape(64, CHUNK))
+
+
+def _store_h_p1(h, out_ref):
+    """h bf16 [64 cols, bm] (WGMMA layout) -> out_ref bf16 [bm, 64] (plain shared memory) with
+    out_ref[s, k] = h[P1[k], s]: the epilogue writes h in the input order the down kernel reads."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(_, h, ref):
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        c = lambda v: arith.constant(i32, v)
+        tid = arith.remui(mgpu_utils.thread_idx(), c(128))
+        lane, warp = arith.andi(tid, c(31)), arith.shrui(tid, c(5))
+        q = arith.andi(lane, c(3))
+        row = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
+        bits = lambda v, shift, mask: arith.andi(arith.shrui(v, c(shift)), c(mask))
+        for half in range(2):
+            n = arith.addi(row, c(8 * half))  # = 16q' + 8e + 4h + i -> column 16i + 8e + 2q' + h
+            k = arith.addi(arith.addi(arith.muli(bits(n, 0, 3), c(16)), arith.muli(bits(n, 3, 1), c(8))),
+                           arith.addi(arith.muli(bits(n, 4, 3), c(2)), bits(n, 2, 1)))
+            k = arith.index_cast(index, k)
+            for j in range(h.shape[1] // 8):
+                reg = h.registers[0, j, 0, 0, half, 0, 0, 0, 0]
+                for pair in range(2):
+                    s = arith.index_cast(index, arith.addi(arith.muli(q, c(2)), c(8 * j + pair)))
+                    memref.store(llvm.extractelement(reg, c(pair)), ref, [s, k])
+
+    store(h, out_ref)
 
 
 def _smem(shape, dtype, row_bytes):
@@ -225,8 +253,11 @@ def _kernel(num_blocks_ref, block_expert_ref, slot_pair_ref, x_ref, w_ref, s_ref
             rows = pl.ds(pl.multiple_of(b * block_m, block_m), block_m)
             if gate_up:
                 gate, up = accs
-                h = gate / (1.0 + jnp.exp(-gate)) * up
-                out_smem.at[w].T[...] = plgpu.layout_cast(h.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(out_smem.dtype)
+                if interpret:
+                    out_smem[w] = to_p1_order(h.T)
+                else:
+                    _store_h_p1(h, out_smem.at[w])
                 plgpu.commit_smem()
                 cols = pl.ds(pl.multiple_of(n * TILE_N + w * WG_N, WG_N), WG_N)
                 plgpu.copy_smem_to_gmem(out_smem.at[w], out_ref.at[rows, cols])
@@ -259,7 +290,7 @@ def _grouped_gemm(num_blocks, block_expert, slot_pair, x, w, s, out_type, *, gat
                   wgmma_in_flight, interpret):
     stage_bytes = 2 * (STAGE_WORDS * TILE_N * 4 + STAGE_WORDS // 4 * TILE_N * 2) + STAGE_CHUNKS * block_m * CHUNK * 2
     if gate_up:
-        out_smem = _smem((2, block_m, WG_N), jnp.bfloat16, 128)
+        out_smem = plgpu.SMEM((2, block_m, WG_N), jnp.bfloat16)
         out_bytes = 2 * block_m * WG_N * 2
     else:
         out_smem = plgpu.SMEM((2, 2, block_m, WG_N), jnp.float32)
@@ -301,7 +332,7 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
     """Mosaic GPU fused MoE with the contract of `int4_moe_gemm.fused_moe_reference` (bf16 x only).
 
     Routing in XLA as the Triton path does (pairs sorted by expert, each group padded to block_m rows); the
-    activations are gathered into slot order and P1-permuted, h is P1-permuted between the GEMMs, and the
+    activations are gathered into slot order and P1-permuted, the gate_up epilogue writes h P1-permuted, and the
     routing weights and the top-k sum are applied in fp32 by the combine. layer: weights stacked per layer
     ([n, E, ...]), indexed in place. block_m: 16, 32 or 64 rows a block.
     """
@@ -327,12 +358,12 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
     num_blocks = jnp.sum(route.block_expert >= 0, dtype=jnp.int32)[None]  # used blocks come first
     block_expert = route.block_expert + (0 if layer is None else layer * num_experts)
     token = jnp.maximum(route.slot_pair, 0) // top_k
-    xs = jnp.where(route.slot_pair[:, None] >= 0, permute_inputs(x)[token], 0)
+    xs = jnp.where(route.slot_pair[:, None] >= 0, to_p1_order(x)[token], 0)
     common = dict(block_m=block_m, num_sms=num_sms or default_num_sms(), wgmma_in_flight=wgmma_in_flight,
                   interpret=interpret)
     h = _grouped_gemm(num_blocks, block_expert, route.slot_pair, xs, *weights[:2],
                       jax.ShapeDtypeStruct((xs.shape[0], i), x.dtype), gate_up=True, **common)
-    y_pairs = _grouped_gemm(num_blocks, block_expert, route.slot_pair, permute_inputs(h), *weights[2:],
+    y_pairs = _grouped_gemm(num_blocks, block_expert, route.slot_pair, h, *weights[2:],
                             jax.ShapeDtypeStruct((num_tokens * top_k, d), jnp.float32), gate_up=False, **common)
     on_shard = ((local_ids >= 0) & (local_ids < num_experts))[:, None]
     y_pairs = jnp.where(on_shard, y_pairs, 0.0) * topk_weights.reshape(-1, 1).astype(jnp.float32)

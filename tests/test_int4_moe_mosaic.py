@@ -59,7 +59,7 @@ def test_ptx_fragment_is_the_p1_permuted_weight_tile():
         twin = mosaic._dequant_chunk_jnp(jnp.asarray(words), jnp.asarray(scales, jnp.bfloat16), chunk)
         np.testing.assert_array_equal(np.asarray(twin.astype(jnp.float32)), expected)
     x = rng.normal(size=(3, 256)).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(mosaic.permute_inputs(jnp.asarray(x)))[:, 64 + 5], x[:, 64 + mosaic.P1[5]])
+    np.testing.assert_array_equal(np.asarray(mosaic.to_p1_order(jnp.asarray(x)))[:, 64 + 5], x[:, 64 + mosaic.P1[5]])
     assert sorted(mosaic.P1) == list(range(64))
 
 
