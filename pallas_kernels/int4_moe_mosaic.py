@@ -151,10 +151,10 @@ def _smem(shape, dtype, row_bytes):
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)))
 
 
-def _kernel(num_blocks_ref, block_expert_ref, slot_pair_ref, x_ref, w_ref, s_ref, out_ref, w_smem, s_smem, x_smem,
+def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, slot_pair_ref, x_ref, w_ref, s_ref, out_ref, w_smem, s_smem, x_smem,
             a_smem, out_smem, pair_smem, full_bars, empty_bars, pair_bars, *, gate_up, block_m, num_stages,
             wgmma_in_flight, interpret):
-    """Both GEMMs. x [rows, K] bf16 (P1-permuted, rows in slot order); gate_up: w [E, K/8, 2, N] int32,
+    """Both GEMMs. x [rows, K] bf16 (P1-permuted); row block b reads x rows block_row[b] .. + block_m; w [E, K/8, 2, N] int32,
     s [E, K/32, 2, N] bf16, out h [rows, N] bf16; down: w [E, K/8, N], s [E, K/32, N], out y_pairs [P, N] f32."""
     sm, wg, num_sms = lax.axis_index("sm"), lax.axis_index("wg"), lax.axis_size("sm")
     cols_per_tile = 2 * TILE_N if not gate_up else TILE_N
@@ -175,7 +175,7 @@ def _kernel(num_blocks_ref, block_expert_ref, slot_pair_ref, x_ref, w_ref, s_ref
         @pl.loop(0, my_tiles)
         def _tile(j):
             b, n = tile_coords(j)
-            expert = block_expert_ref[b]
+            expert, x_row = block_expert_ref[b], block_row_ref[b]
 
             @pl.loop(0, steps)
             def _step(k):
@@ -198,7 +198,7 @@ def _kernel(num_blocks_ref, block_expert_ref, slot_pair_ref, x_ref, w_ref, s_ref
                         w_src, s_src = w_ref.at[expert, words, cols], s_ref.at[expert, groups, cols]
                     plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot, o], bar)
                     plgpu.copy_gmem_to_smem(s_src, s_smem.at[slot, o], bar)
-                rows = pl.ds(pl.multiple_of(b * block_m, block_m), block_m)
+                rows = pl.ds(x_row, block_m)
                 for c in range(STAGE_CHUNKS):
                     inputs = pl.ds(pl.multiple_of(k * STAGE_WORDS * PACK + c * CHUNK, CHUNK), CHUNK)
                     plgpu.copy_gmem_to_smem(x_ref.at[rows, inputs], x_smem.at[slot, c], bar)
@@ -286,7 +286,7 @@ def _pair_window(block_m):
     return max(block_m, 32)
 
 
-def _grouped_gemm(num_blocks, block_expert, slot_pair, x, w, s, out_type, *, gate_up, block_m, num_sms,
+def _grouped_gemm(num_blocks, block_expert, block_row, slot_pair, x, w, s, out_type, *, gate_up, block_m, num_sms,
                   wgmma_in_flight, interpret):
     stage_bytes = 2 * (STAGE_WORDS * TILE_N * 4 + STAGE_WORDS // 4 * TILE_N * 2) + STAGE_CHUNKS * block_m * CHUNK * 2
     if gate_up:
@@ -317,7 +317,7 @@ def _grouped_gemm(num_blocks, block_expert, slot_pair, x, w, s, out_type, *, gat
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     slot_pair = jnp.pad(slot_pair, (0, _pair_window(block_m) - block_m), constant_values=-1)
-    return kernel(num_blocks, block_expert, slot_pair, x, w, s)
+    return kernel(num_blocks, block_expert, block_row, slot_pair, x, w, s)
 
 
 def default_num_sms():
@@ -331,9 +331,9 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
                      block_m=32, out_dtype=None, interpret=False, layer=None, num_sms=None, wgmma_in_flight=1):
     """Mosaic GPU fused MoE with the contract of `int4_moe_gemm.fused_moe_reference` (bf16 x only).
 
-    Routing in XLA as the Triton path does (pairs sorted by expert, each group padded to block_m rows); the
-    activations are gathered into slot order and P1-permuted, the gate_up epilogue writes h P1-permuted, and the
-    routing weights and the top-k sum are applied in fp32 by the combine. layer: weights stacked per layer
+    Routing in XLA as the Triton path does (pairs sorted by expert, each group padded to block_m rows for h);
+    the activations are gathered in sorted pair order and P1-permuted, the gate_up epilogue writes h
+    P1-permuted, and the routing weights and the top-k sum are applied in fp32 by the combine. layer: weights stacked per layer
     ([n, E, ...]), indexed in place. block_m: 16, 32 or 64 rows a block.
     """
     if x.dtype != jnp.bfloat16:
@@ -357,13 +357,21 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
     route = sort_routing(local_ids, num_experts, block_m)
     num_blocks = jnp.sum(route.block_expert >= 0, dtype=jnp.int32)[None]  # used blocks come first
     block_expert = route.block_expert + (0 if layer is None else layer * num_experts)
-    token = jnp.maximum(route.slot_pair, 0) // top_k
-    xs = jnp.where(route.slot_pair[:, None] >= 0, to_p1_order(x)[token], 0)
+    # x rows in sorted pair order, unpadded: block b's window starts at its first pair (rows past its expert's
+    # pairs belong to the next expert or to the zero tail; they land in padding slots of h, which down skips)
+    valid = route.slot_pair >= 0
+    num_rows = num_tokens * top_k + block_m
+    sorted_pair = jnp.zeros(num_rows, jnp.int32).at[jnp.where(valid, jnp.cumsum(valid) - 1, num_rows)].set(
+        route.slot_pair, mode="drop")
+    xs = jnp.where(jnp.arange(num_rows)[:, None] < jnp.sum(valid), to_p1_order(x)[sorted_pair // top_k], 0)
+    valid_per_block = valid.reshape(-1, block_m).sum(axis=1, dtype=jnp.int32)
+    x_row = jnp.cumsum(valid_per_block) - valid_per_block
+    slot_row = jnp.arange(route.block_expert.shape[0], dtype=jnp.int32) * block_m
     common = dict(block_m=block_m, num_sms=num_sms or default_num_sms(), wgmma_in_flight=wgmma_in_flight,
                   interpret=interpret)
-    h = _grouped_gemm(num_blocks, block_expert, route.slot_pair, xs, *weights[:2],
-                      jax.ShapeDtypeStruct((xs.shape[0], i), x.dtype), gate_up=True, **common)
-    y_pairs = _grouped_gemm(num_blocks, block_expert, route.slot_pair, h, *weights[2:],
+    h = _grouped_gemm(num_blocks, block_expert, x_row, route.slot_pair, xs, *weights[:2],
+                      jax.ShapeDtypeStruct((route.slot_pair.shape[0], i), x.dtype), gate_up=True, **common)
+    y_pairs = _grouped_gemm(num_blocks, block_expert, slot_row, route.slot_pair, h, *weights[2:],
                             jax.ShapeDtypeStruct((num_tokens * top_k, d), jnp.float32), gate_up=False, **common)
     on_shard = ((local_ids >= 0) & (local_ids < num_experts))[:, None]
     y_pairs = jnp.where(on_shard, y_pairs, 0.0) * topk_weights.reshape(-1, 1).astype(jnp.float32)

@@ -57,13 +57,14 @@ def main():
                    triton_us=timed(functools.partial(moe.fused_moe, tiling=tiling), x, ids, wts, *experts) * 1e6)
         route = moe.sort_routing(ids.reshape(-1), 384, bm)
         nb = jnp.sum(route.block_expert >= 0, dtype=jnp.int32)[None]
+        slot_row = jnp.arange(route.block_expert.shape[0], dtype=jnp.int32) * bm
 
         def gather(x, ids):
             route = moe.sort_routing(ids.reshape(-1), 384, bm)
             token = jnp.maximum(route.slot_pair, 0) // 8
             return jnp.where(route.slot_pair[:, None] >= 0, mm.to_p1_order(x)[token], 0)
 
-        xs = jax.jit(gather)(x, ids)
+        xs = jax.jit(gather)(x, ids)  # slot order (padded): the kernels alone, as before
         row["glue_route_gather_us"] = timed(gather, x, ids) * 1e6
         for depth in (0, 1):
             fn = functools.partial(mm.fused_moe_mosaic, block_m=bm, wgmma_in_flight=depth)
@@ -73,15 +74,15 @@ def main():
                                         out_type=jax.ShapeDtypeStruct((xs.shape[0], i), jnp.bfloat16))
             down = functools.partial(mm._grouped_gemm, out_type=jax.ShapeDtypeStruct((m * 8, d), jnp.float32),
                                      gate_up=False, **common)
-            h = jax.jit(gate_up)(nb, route.block_expert, route.slot_pair, xs, *experts[:2])
+            h = jax.jit(gate_up)(nb, route.block_expert, slot_row, route.slot_pair, xs, *experts[:2])
             h_perm = h  # gate_up writes h in P1 order
-            y_pairs = jax.jit(down)(nb, route.block_expert, route.slot_pair, h_perm, *experts[2:])
+            y_pairs = jax.jit(down)(nb, route.block_expert, slot_row, route.slot_pair, h_perm, *experts[2:])
             t_mo = timed(fn, x, ids, wts, *experts)
             row[f"d{depth}"] = dict(
                 mosaic_us=t_mo * 1e6, pct_mosaic=100 * floor / t_mo, rel_err_vs_triton=bench.rel_err(y_mo, y_tr),
                 finite=bool(np.isfinite(np.asarray(y_mo, np.float32)).all()),
-                gate_up_us=timed(gate_up, nb, route.block_expert, route.slot_pair, xs, *experts[:2]) * 1e6,
-                down_us=timed(down, nb, route.block_expert, route.slot_pair, h_perm, *experts[2:]) * 1e6)
+                gate_up_us=timed(gate_up, nb, route.block_expert, slot_row, route.slot_pair, xs, *experts[:2]) * 1e6,
+                down_us=timed(down, nb, route.block_expert, slot_row, route.slot_pair, h_perm, *experts[2:]) * 1e6)
         row["glue_permute_h_us"] = timed(mm.to_p1_order, h) * 1e6
         row["glue_combine_us"] = timed(lambda y, w: (y * w.reshape(-1, 1)).reshape(m, 8, d).sum(1).astype(jnp.bfloat16),
                                        y_pairs, wts) * 1e6
