@@ -320,6 +320,31 @@ def _grouped_gemm(num_blocks, block_expert, block_row, slot_pair, x, w, s, out_t
     return kernel(num_blocks, block_expert, block_row, slot_pair, x, w, s)
 
 
+def gate_up_rows(local_ids, route, num_experts, block_m, top_k):
+    """Where gate_up reads its activations: x rows in sorted pair order, each expert's group padded to 8 rows
+    (TMA moves whole 8-row tiles and rounds an unaligned start down), not to block_m as the slots of h are.
+
+    Returns token_of_row [R] int32 (the token whose x fills row r, -1 = zero row; R a multiple of 8) and
+    block_row [num_blocks] int32 (multiples of 8): block b reads rows block_row[b] .. + block_m, whose valid
+    rows are those of its slots. Rows past its expert's pairs are padding or the next expert's; they land in
+    padding slots of h, which down skips.
+    """
+    ceil_to = lambda n, multiple: -(-n // multiple) * multiple
+    on_shard = (local_ids >= 0) & (local_ids < num_experts)
+    counts = jnp.bincount(jnp.where(on_shard, local_ids, num_experts), length=num_experts + 1)[:num_experts]
+    slot_start = jnp.cumsum(ceil_to(counts, block_m)) - ceil_to(counts, block_m)
+    row_start = jnp.cumsum(ceil_to(counts, 8)) - ceil_to(counts, 8)
+    expert = jnp.repeat(route.block_expert, block_m)
+    shift = jnp.where(expert >= 0, row_start[expert] - slot_start[expert], 0)  # row - slot, per slot
+    num_pairs = local_ids.shape[0]
+    num_rows = ceil_to(num_pairs + 8 * min(num_experts, num_pairs) + block_m, 8)
+    slots = jnp.arange(route.slot_pair.shape[0])
+    token_of_row = jnp.full(num_rows, -1, jnp.int32).at[
+        jnp.where(route.slot_pair >= 0, slots + shift, num_rows)].set(route.slot_pair // top_k, mode="drop")
+    block_row = slots[::block_m] + shift[::block_m]
+    return token_of_row, block_row.astype(jnp.int32)
+
+
 def default_num_sms():
     """Persistent CTAs: the SM count of the first GPU (132 on an H200 when none is attached, e.g. CPU tests)."""
     device = jax.devices()[0]
@@ -357,15 +382,8 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
     route = sort_routing(local_ids, num_experts, block_m)
     num_blocks = jnp.sum(route.block_expert >= 0, dtype=jnp.int32)[None]  # used blocks come first
     block_expert = route.block_expert + (0 if layer is None else layer * num_experts)
-    # x rows in sorted pair order, unpadded: block b's window starts at its first pair (rows past its expert's
-    # pairs belong to the next expert or to the zero tail; they land in padding slots of h, which down skips)
-    valid = route.slot_pair >= 0
-    num_rows = num_tokens * top_k + block_m
-    sorted_pair = jnp.zeros(num_rows, jnp.int32).at[jnp.where(valid, jnp.cumsum(valid) - 1, num_rows)].set(
-        route.slot_pair, mode="drop")
-    xs = jnp.where(jnp.arange(num_rows)[:, None] < jnp.sum(valid), to_p1_order(x)[sorted_pair // top_k], 0)
-    valid_per_block = valid.reshape(-1, block_m).sum(axis=1, dtype=jnp.int32)
-    x_row = jnp.cumsum(valid_per_block) - valid_per_block
+    token_of_row, x_row = gate_up_rows(local_ids, route, num_experts, block_m, top_k)
+    xs = jnp.where(token_of_row[:, None] >= 0, to_p1_order(x)[jnp.maximum(token_of_row, 0)], 0)
     slot_row = jnp.arange(route.block_expert.shape[0], dtype=jnp.int32) * block_m
     common = dict(block_m=block_m, num_sms=num_sms or default_num_sms(), wgmma_in_flight=wgmma_in_flight,
                   interpret=interpret)

@@ -126,3 +126,21 @@ def test_lowers_for_cuda(block_m, stacked):
             *args, **layer).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("@mosaic_gpu_v2(") == 2
     assert "dynamic_slice" not in hlo  # a stacked layer is indexed inside the kernels
+
+
+@pytest.mark.parametrize("num_tokens,block_m", [(1, 16), (37, 16), (300, 32), (64, 64)])
+def test_gate_up_rows_are_tile_aligned_and_hold_each_slots_token(num_tokens, block_m):
+    """TMA rounds an unaligned start row down to its 8-row tile (interpret mode does not), so every block's
+    window must start at a multiple of 8, and row block_row[b] + r must hold the token of slot b * block_m + r."""
+    ids, _ = random_routing(num_tokens, num_tokens, 4, 10)  # 8 local experts, ids 8 and 9 off-shard
+    local_ids = ids.reshape(-1)
+    route = moe.sort_routing(local_ids, 8, block_m)
+    token_of_row, block_row = (np.asarray(a) for a in mosaic.gate_up_rows(local_ids, route, 8, block_m, 4))
+    used = np.asarray(route.block_expert) >= 0
+    assert token_of_row.shape[0] % 8 == 0 and np.all(block_row[used] % 8 == 0)
+    slot_pair = np.asarray(route.slot_pair).reshape(-1, block_m)
+    for b in np.flatnonzero(used):
+        assert block_row[b] + block_m <= token_of_row.shape[0]
+        valid = slot_pair[b] >= 0
+        np.testing.assert_array_equal(token_of_row[block_row[b]:block_row[b] + block_m][valid], slot_pair[b][valid] // 4)
+    assert np.sum(token_of_row >= 0) == np.sum(np.asarray(local_ids) < 8)
