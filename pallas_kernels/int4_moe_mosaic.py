@@ -46,7 +46,6 @@ TILE_N = 128  # columns a TMA weight tile; each compute warpgroup takes 64
 WG_N = 64
 NUM_COPIES = 2 + 2 + STAGE_CHUNKS  # TMA copies arriving on a stage's barrier: weights, scales, activations
 SMEM_BYTES = 227 * 1024
-_ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 def _input_permutation():
@@ -76,35 +75,46 @@ mul.rn.bf16x2 $0, t, $2;
 }"""  # (128 + u) - 136 = q exactly; one rounding of q * scale
 
 
-def _dequant_chunk(words, scale_even, scale_odd):
-    """words int32 [64, 8] (WGMMA layout: thread holds words 2q, 2q+1 of rows r, r+8), scales bf16 [64] of the
-    chunk's two groups (WGMMA row layout) -> bf16 [64, 64] WGMMA A fragment in P1 order."""
+def _thread_coords():
+    """(row r, quad lane q) of this thread in its warpgroup's WGMMA fragments, as i32 values: it holds rows r and
+    r + 8, and columns 2q, 2q + 1 of every 8."""
+    i32 = ir.IntegerType.get_signless(32)
+    c = lambda v: arith.constant(i32, v)
+    tid = arith.remui(mgpu_utils.thread_idx(), c(128))
+    lane = arith.andi(tid, c(31))
+    return arith.addi(arith.muli(arith.shrui(tid, c(5)), c(16)), arith.shrui(lane, c(2))), arith.andi(lane, c(3))
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, _ROW, _ROW),
+
+def _dequant_chunk(words, scales_ref, chunk, first_col):
+    """words int32 [64, 8] (WGMMA layout: thread holds words 2q, 2q+1 of rows r, r+8), scales_ref bf16
+    [8 groups, n] (plain shared memory) of the stage, columns first_col + [0, 64) this warpgroup's
+    -> bf16 [64, 64] WGMMA A fragment in P1 order. Both words of a thread lie in group 2 chunk + q // 2."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
                        return_type=plgpu.ShapeDtypeStruct((64, CHUNK), jnp.bfloat16, plgpu.Layout.WGMMA))
-    def dequant(_, words, scale_even, scale_odd):
-        i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
+    def dequant(_, words, scales):
+        i32, i16, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16), ir.IndexType.get()
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         c = lambda v: arith.constant(i32, v)
-        odd_group = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(mgpu_utils.thread_idx(), c(2)), c(0))
+        row, q = _thread_coords()
+        group = arith.index_cast(index, arith.addi(c(2 * chunk), arith.shrui(q, c(1))))
         neg136 = c(0x43084308)
         out = np.empty((8, 2), dtype=object)  # [k8 block 2i + e, row half]
         for half in range(2):
+            col = arith.index_cast(index, arith.addi(row, c(first_col + 8 * half)))
+            scale = arith.extui(i32, mgpu_utils.bitcast(memref.load(scales, [group, col]), i16))
+            scale2 = arith.muli(scale, c(0x10001))  # {s, s}
             pair = words.registers.flat[half]  # vector<2xi32>: words 2q, 2q+1 of this row
-            s_even = mgpu_utils.bitcast(scale_even.registers.flat[half], i16)
-            s_odd = mgpu_utils.bitcast(scale_odd.registers.flat[half], i16)
-            s = arith.extui(i32, arith.select(odd_group, s_odd, s_even))
-            s2 = arith.ori(s, arith.shli(s, c(16)))  # {s, s}
             for e in range(2):
-                word = llvm.extractelement(pair, arith.constant(i32, e))
+                word = llvm.extractelement(pair, c(e))
                 for i in range(4):
                     shifted = arith.shrui(word, c(4 * i)) if i else word
-                    reg = llvm.inline_asm(i32, [shifted, s2, neg136], _DEQUANT_ASM, "=r,r,r,r")
+                    reg = llvm.inline_asm(i32, [shifted, scale2, neg136], _DEQUANT_ASM, "=r,r,r,r")
                     out[2 * i + e, half] = mgpu_utils.bitcast(reg, bf16x2)
         return mgpu_fa.FragmentedArray(_registers=out.reshape(1, 8, 1, 1, 2, 1, 1, 1, 1),
                                        _layout=mgpu_fa.WGMMA_LAYOUT, _is_signed=None)
 
-    return dequant(words, scale_even, scale_odd)
+    return dequant(words, scales_ref)
 
 
 def _dequant_chunk_jnp(words, scales, chunk):
@@ -118,31 +128,30 @@ def _dequant_chunk_jnp(words, scales, chunk):
     return to_p1_order(w.astype(jnp.bfloat16).reshape(64, CHUNK))
 
 
-def _store_h_p1(h, out_ref):
-    """h bf16 [64 cols, bm] (WGMMA layout) -> out_ref bf16 [bm, 64] (plain shared memory) with
-    out_ref[s, k] = h[P1[k], s]: the epilogue writes h in the input order the down kernel reads."""
+def _store_transposed(acc, out_ref, p1_order):
+    """acc [64 cols, bm] (WGMMA layout) -> out_ref [bm, >= 64] (plain shared memory): out_ref[s, n] = acc[n, s],
+    or out_ref[s, k] = acc[P1[k], s] when p1_order (h, in the input order the down kernel reads). Each thread
+    stores its own elements, so the transposition costs no shuffles."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-    def store(_, h, ref):
+    def store(_, acc, ref):
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         c = lambda v: arith.constant(i32, v)
-        tid = arith.remui(mgpu_utils.thread_idx(), c(128))
-        lane, warp = arith.andi(tid, c(31)), arith.shrui(tid, c(5))
-        q = arith.andi(lane, c(3))
-        row = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
+        row, q = _thread_coords()
         bits = lambda v, shift, mask: arith.andi(arith.shrui(v, c(shift)), c(mask))
         for half in range(2):
-            n = arith.addi(row, c(8 * half))  # = 16q' + 8e + 4h + i -> column 16i + 8e + 2q' + h
-            k = arith.addi(arith.addi(arith.muli(bits(n, 0, 3), c(16)), arith.muli(bits(n, 3, 1), c(8))),
-                           arith.addi(arith.muli(bits(n, 4, 3), c(2)), bits(n, 2, 1)))
-            k = arith.index_cast(index, k)
-            for j in range(h.shape[1] // 8):
-                reg = h.registers[0, j, 0, 0, half, 0, 0, 0, 0]
+            n = arith.addi(row, c(8 * half))
+            if p1_order:  # n = 16q' + 8e + 4h + i sits at column 16i + 8e + 2q' + h
+                n = arith.addi(arith.addi(arith.muli(bits(n, 0, 3), c(16)), arith.muli(bits(n, 3, 1), c(8))),
+                               arith.addi(arith.muli(bits(n, 4, 3), c(2)), bits(n, 2, 1)))
+            col = arith.index_cast(index, n)
+            for j in range(acc.shape[1] // 8):
+                reg = acc.registers[0, j, 0, 0, half, 0, 0, 0, 0]
                 for pair in range(2):
                     s = arith.index_cast(index, arith.addi(arith.muli(q, c(2)), c(8 * j + pair)))
-                    memref.store(llvm.extractelement(reg, c(pair)), ref, [s, k])
+                    memref.store(llvm.extractelement(reg, c(pair)), ref, [s, col])
 
-    store(h, out_ref)
+    store(acc, out_ref)
 
 
 def _smem(shape, dtype, row_bytes):
@@ -232,9 +241,8 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, slot_pair_ref, x_re
                             plgpu.wgmma(acc_ref, a_smem.at[w], x_t)
                             plgpu.wgmma_wait(0)
                         else:  # dequantize the next chunk while this one multiplies
-                            s_even, s_odd = (plgpu.load(s_smem.at[slot, o, 2 * c + h, my_cols], (), layout=_ROW,
-                                                        optimized=False) for h in range(2))
-                            plgpu.wgmma(acc_ref, _dequant_chunk(words[o][:, c * 8:(c + 1) * 8], s_even, s_odd), x_t)
+                            a = _dequant_chunk(words[o][:, c * 8:(c + 1) * 8], s_smem.at[slot, o], c, w * WG_N)
+                            plgpu.wgmma(acc_ref, a, x_t)
                             plgpu.wgmma_wait(wgmma_in_flight)
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(empty_bars.at[slot])
@@ -257,13 +265,16 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, slot_pair_ref, x_re
                 if interpret:
                     out_smem[w] = to_p1_order(h.T)
                 else:
-                    _store_h_p1(h, out_smem.at[w])
+                    _store_transposed(h, out_smem.at[w], p1_order=True)
                 plgpu.commit_smem()
                 cols = pl.ds(pl.multiple_of(n * TILE_N + w * WG_N, WG_N), WG_N)
                 plgpu.copy_smem_to_gmem(out_smem.at[w], out_ref.at[rows, cols])
             else:
                 for o, acc in enumerate(accs):
-                    out_smem.at[w, o].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+                    if interpret:
+                        out_smem[w, o, :, :WG_N] = acc.T
+                    else:
+                        _store_transposed(acc, out_smem.at[w, o], p1_order=False)
                 plgpu.commit_smem()
                 plgpu.barrier_wait(pair_bars.at[w])
                 for r in range(block_m):
@@ -273,7 +284,8 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, slot_pair_ref, x_re
                     def _():
                         for o in range(2):
                             cols = pl.ds(pl.multiple_of(n * 2 * TILE_N + o * TILE_N + w * WG_N, WG_N), WG_N)
-                            plgpu.copy_smem_to_gmem(out_smem.at[w, o, pl.ds(r, 1)], out_ref.at[pl.ds(pair, 1), cols])
+                            plgpu.copy_smem_to_gmem(out_smem.at[w, o, pl.ds(r, 1), :WG_N],
+                                                    out_ref.at[pl.ds(pair, 1), cols])
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -293,8 +305,9 @@ def _grouped_gemm(num_blocks, block_expert, block_row, slot_pair, x, w, s, out_t
         out_smem = plgpu.SMEM((2, block_m, WG_N), jnp.bfloat16)
         out_bytes = 2 * block_m * WG_N * 2
     else:
-        out_smem = plgpu.SMEM((2, 2, block_m, WG_N), jnp.float32)
-        out_bytes = 4 * block_m * WG_N * 4
+        # rows padded by 4 floats: the transposed stores of a warp then hit 32 distinct banks
+        out_smem = plgpu.SMEM((2, 2, block_m, WG_N + 4), jnp.float32)
+        out_bytes = 4 * block_m * (WG_N + 4) * 4
     a_bytes = 2 * 64 * CHUNK * 2 if interpret else 0
     num_stages = min(4, (SMEM_BYTES - out_bytes - a_bytes - 2048) // stage_bytes)
     scratch = [
