@@ -1,7 +1,10 @@
 """GPU spike for pallas_kernels/int4_moe_mosaic: correctness at real D/I with few experts, then the two
 kernels timed alone at K2.6 shapes (384 experts, top-8) against the Triton default, M = 512 / 1024."""
+import collections
 import functools
+import glob
 import json
+import os
 import sys
 import time
 
@@ -94,5 +97,64 @@ def main():
         json.dump(rows, open(out, "w"), indent=1)
 
 
+def profile(out_dir, m=1024, bm=32, ranges=96):
+    """Mosaic's profiler on both kernels at M = m: per warpgroup, the time in each named scope over the first
+    `ranges` ranges (bounds-checked), and their span."""
+    d, i = 7168, 2048
+    key = jax.random.PRNGKey(1)
+    experts = bench.random_weights(key, 384, d, i)
+    ids, wts = (a[0] for a in bench.random_routings(key, 1, m, 384, 8))
+    x = jax.random.normal(key, (m, d), jnp.float32).astype(jnp.bfloat16)
+    params = mm.plgpu.CompilerParams
+    mm.SMEM_BYTES -= 3 * ranges * 16
+    summary = {}
+    for kernel in ("gate_up", "down"):
+        prof_dir = os.path.join(out_dir, f"prof_{kernel}")
+        os.makedirs(prof_dir, exist_ok=True)
+        mm.plgpu.CompilerParams = functools.partial(params, profile_space=ranges, profile_dir=prof_dir,
+                                                    profile_bounds_check=True)
+        route = moe.sort_routing(ids.reshape(-1), 384, bm)
+        nb = jnp.sum(route.block_expert >= 0, dtype=jnp.int32)[None]
+        slot_row = jnp.arange(route.block_expert.shape[0], dtype=jnp.int32) * bm
+        token = jnp.maximum(route.slot_pair, 0) // 8
+        xs = jnp.where(route.slot_pair[:, None] >= 0, mm.to_p1_order(x)[token], 0)
+        common = dict(block_m=bm, num_sms=mm.default_num_sms(), wgmma_in_flight=1, interpret=False)
+        if kernel == "gate_up":
+            out = jax.ShapeDtypeStruct((xs.shape[0], i), jnp.bfloat16)
+            args = (nb, route.block_expert, slot_row, route.slot_pair, xs, *experts[:2])
+        else:
+            out = jax.ShapeDtypeStruct((m * 8, d), jnp.float32)
+            args = (nb, route.block_expert, slot_row, route.slot_pair, xs[:, :i], *experts[2:])
+        jax.block_until_ready(jax.jit(functools.partial(mm._grouped_gemm, out_type=out, gate_up=kernel == "gate_up",
+                                                        **common))(*args))
+        mm.plgpu.CompilerParams = params
+        per_scope = collections.defaultdict(list)
+        spans = []
+        for path in glob.glob(os.path.join(prof_dir, "*")):
+            events = json.load(open(path))["traceEvents"]
+            open_at, by_tid = {}, collections.defaultdict(lambda: collections.defaultdict(float))
+            first, last = {}, {}
+            for ev in events:
+                key_ = (ev["tid"], ev["name"])
+                first.setdefault(ev["tid"], ev["ts"])
+                last[ev["tid"]] = ev["ts"]
+                if ev["ph"] == "B":
+                    open_at[key_] = ev["ts"]
+                else:
+                    by_tid[ev["tid"]][ev["name"]] += ev["ts"] - open_at.pop(key_)
+            for tid, scopes in by_tid.items():
+                spans.append(last[tid] - first[tid])
+                for name, us in scopes.items():
+                    per_scope[name].append(us)
+        summary[kernel] = dict(files=len(glob.glob(os.path.join(prof_dir, "*"))), mean_span_us=float(np.mean(spans)),
+                               mean_us={k: float(np.mean(v)) for k, v in per_scope.items()},
+                               count={k: len(v) for k, v in per_scope.items()})
+        print(kernel, json.dumps(summary[kernel]), flush=True)
+    json.dump(summary, open(os.path.join(out_dir, "profile.json"), "w"), indent=1)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--profile":
+        profile(sys.argv[2])
+    else:
+        main()
