@@ -81,10 +81,11 @@ SWAP_RACE = {  # run 8: swapped-operand (wgmma) candidates against the current d
 MOSAIC = {"mosaic_m16": 16, "mosaic_m32": 32, "mosaic_m64": 64}  # int4_moe_mosaic.fused_moe_mosaic, block_m
 MOSAIC_RACE = {  # the Mosaic GPU kernels against the Triton defaults
     64: ("m16_n64_nf", "mosaic_m16"),
+    128: ("m16_n64_nf", "mosaic_m16"),
     256: ("m16_n64_nf", "mosaic_m16", "mosaic_m32"),
     512: ("m16_n64_nf", "mosaic_m16", "mosaic_m32"),
     1024: ("m32_n64_nf", "mosaic_m16", "mosaic_m32", "mosaic_m64"),
-    4096: ("m64_n64_kw16_swap_nf", "mosaic_m64"),
+    4096: ("m64_n64_kw16_swap_nf", "mosaic_m32", "mosaic_m64"),
 }
 CANDIDATES = {  # raced per M (the wrapper's choose_tiling is set from these results)
     1: ("pair_n64", "pair_n64_kw16", "pair_n64_kw16_s4"),
