@@ -49,7 +49,7 @@ def dequantize_int4(packed, scale, axis, dtype=jnp.bfloat16):
     return round_to_bf16(q.astype(jnp.float32) * scale_full).astype(dtype)
 
 
-def _check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
+def check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
     """Validates shapes/dtypes; returns (E, D, I)."""
     if x.ndim != 2:
         raise ValueError(f"x must be [M, D], got shape {x.shape}")
@@ -92,7 +92,7 @@ def fused_moe_reference(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_pac
     layer: the weights are stacked per layer ([n, E, ...]) and this layer is used.
     """
     w13_packed, w13_scale, w2_packed, w2_scale = select_layer((w13_packed, w13_scale, w2_packed, w2_scale), layer)
-    _check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
     local_ids = topk_ids.astype(jnp.int32) - expert_offset
     weights = topk_weights.astype(jnp.float32)
 
@@ -180,6 +180,18 @@ def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
         return Tiling(block_m=32, block_n_gate_up=64, block_n_down=128, n_fastest=True, dequant=dequant)
     # prefill: 64-row blocks with the weights as wgmma's register operand (run 8: 12.9 vs 17.1 ms at M = 4096)
     return Tiling(block_m=64, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True, dequant=dequant)
+
+
+MOSAIC_MIN_TOKENS = 64  # from here on the Mosaic GPU kernels won every race (bench/moe_gemm.md, Mosaic run)
+
+
+def mosaic_block_m(num_tokens, dtype, d, i, interpret=False):
+    """block_m of the Mosaic GPU kernels (int4_moe_mosaic) when the wrapper's default should use them, else None:
+    bf16 on the GPU, M >= MOSAIC_MIN_TOKENS, and D, I multiples of 256; 16-row blocks up to M = 512 (~11 rows an
+    expert), 32 beyond."""
+    if interpret or jnp.dtype(dtype) != jnp.bfloat16 or num_tokens < MOSAIC_MIN_TOKENS or d % 256 or i % 256:
+        return None
+    return 16 if num_tokens <= 512 else 32
 
 
 def _fit_block(block, dim, minimum, name):
@@ -405,11 +417,18 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
     Routing metadata in XLA (pairs sorted by expert and padded to block_m rows, or one pair per block when
     `tiling.per_pair`), then two grouped W4A16 kernels (gate_up with the SiLU*up epilogue; down with the
     routing weight and optional split-K), then the fp32 top-k (and split) combine in XLA.
-    tiling: None = `choose_tiling(M)`; its N/K blocks are shrunk to divide D and I. expert_offset may be traced.
+    tiling: None = the wrapper's default: the Mosaic GPU kernels of int4_moe_mosaic where `mosaic_block_m` says
+    so (large M), else `choose_tiling(M)`; N/K blocks are shrunk to divide D and I. expert_offset may be traced.
     layer (may be traced): the weights are stacked per layer ([n, E, ...]); the kernels index layer `layer`
     inside the whole stack (viewed as [n*E, ...], a free reshape), so no per-layer copy of the experts is
     made, as slicing the stack in front of the custom call would.
     """
+    block_m = mosaic_block_m(topk_ids.shape[0], x.dtype, x.shape[-1], w13_packed.shape[-1], interpret)
+    if tiling is None and block_m:
+        from pallas_kernels import int4_moe_mosaic  # imports this module
+        return int4_moe_mosaic.fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
+                                                w2_scale, expert_offset=expert_offset, block_m=block_m,
+                                                out_dtype=out_dtype, layer=layer)
     weights = (w13_packed, w13_scale, w2_packed, w2_scale)
     stack_offset = 0
     if layer is not None:
@@ -419,7 +438,7 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
         weights = tuple(w.reshape((num_layers * per_layer,) + w.shape[2:]) for w in weights)
         stack_offset = layer * per_layer
     w13_packed, w13_scale, w2_packed, w2_scale = weights
-    _check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
     num_experts = per_layer if layer is not None else w13_packed.shape[0]
     d, i = x.shape[1], w13_packed.shape[-1]
     if x.dtype not in (jnp.bfloat16, jnp.float32):

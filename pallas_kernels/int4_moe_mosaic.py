@@ -21,8 +21,8 @@ is fed physical input P1[k] = 16q + 8e + 4h + i: (nibble i, nibble i + 4) of wor
 register. The activations are permuted the same way (`to_p1_order`), so the product is unchanged.
 
 The two weight tiles are (gate, up) of one 128-column slice for gate_up (epilogue silu(gate) * up -> h, bf16)
-and two adjacent 128-column slices for down (epilogue: fp32 rows written per (token, expert) pair; the
-routing weight and the top-k sum are applied by the caller).
+and two adjacent 128-column slices for down (epilogue: fp32 rows in slot order; the caller gathers each
+(token, expert) pair's row, applies the routing weight and sums the top k).
 """
 import functools
 
@@ -37,7 +37,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.int4_moe_gemm import GROUP, PACK, dequantize_int4, sort_routing
+from pallas_kernels.int4_moe_gemm import PACK, check_args, sort_routing
 
 CHUNK = 64  # inputs a wgmma call (one 128-byte swizzle row of bf16)
 STAGE_WORDS = 32  # packed int32 rows a pipeline stage: 256 inputs, 4 chunks
@@ -160,12 +160,11 @@ def _smem(shape, dtype, row_bytes):
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)))
 
 
-def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, slot_pair_ref, x_ref, w_ref, s_ref, out_ref, w_smem,
-            s_smem, x_smem, a_smem, out_smem, pair_smem, full_bars, empty_bars, pair_bars, *, gate_up, block_m,
-            num_stages, wgmma_in_flight, interpret):
+def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref, out_ref, w_smem, s_smem, x_smem,
+            a_smem, out_smem, full_bars, empty_bars, *, gate_up, block_m, num_stages, wgmma_in_flight, interpret):
     """Both GEMMs. x [rows, K] bf16 (P1-permuted); row block b reads x rows block_row[b] .. + block_m.
     gate_up: w [E, K/8, 2, N] int32, s [E, K/32, 2, N] bf16, out h [rows, N] bf16 (rows in slot order);
-    down: w [E, K/8, N], s [E, K/32, N], out y_pairs [P, N] f32 (a row per pair)."""
+    down: w [E, K/8, N], s [E, K/32, N], out y [rows, N] f32. Output rows are slots: b * block_m + [0, block_m)."""
     sm, wg, num_sms = lax.axis_index("sm"), lax.axis_index("wg"), lax.axis_size("sm")
     cols_per_tile = 2 * TILE_N if not gate_up else TILE_N
     num_n_tiles = out_ref.shape[1] // cols_per_tile
@@ -255,10 +254,6 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, slot_pair_ref, x_re
         @pl.loop(0, my_tiles)
         def _tile(j):
             b, n = tile_coords(j)
-            if not gate_up:  # the block's pair ids, read per row by the epilogue
-                first = pl.multiple_of(b * block_m, block_m)
-                plgpu.copy_gmem_to_smem(slot_pair_ref.at[pl.ds(first, pair_smem.shape[1])], pair_smem.at[w],
-                                        pair_bars.at[w])
             accs = pl.run_scoped(functools.partial(mainloop, j), (plgpu.ACC((WG_N, block_m), jnp.float32),) * 2)
             with jax.named_scope("epilogue"):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read out_smem
@@ -276,20 +271,13 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, slot_pair_ref, x_re
                 else:
                     for o, acc in enumerate(accs):
                         if interpret:
-                            out_smem[w, o, :, :WG_N] = acc.T
+                            out_smem[w, o] = acc.T
                         else:
                             _store_transposed(acc, out_smem.at[w, o], p1_order=False)
                     plgpu.commit_smem()
-                    plgpu.barrier_wait(pair_bars.at[w])
-                    for r in range(block_m):
-                        pair = pair_smem[w, r]
-
-                        @pl.when(pair >= 0)
-                        def _():
-                            for o in range(2):
-                                cols = pl.ds(pl.multiple_of(n * 2 * TILE_N + o * TILE_N + w * WG_N, WG_N), WG_N)
-                                plgpu.copy_smem_to_gmem(out_smem.at[w, o, pl.ds(r, 1), :WG_N],
-                                                        out_ref.at[pl.ds(pair, 1), cols])
+                    for o in range(2):
+                        cols = pl.ds(pl.multiple_of(n * 2 * TILE_N + o * TILE_N + w * WG_N, WG_N), WG_N)
+                        plgpu.copy_smem_to_gmem(out_smem.at[w, o], out_ref.at[rows, cols])
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -297,21 +285,15 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, slot_pair_ref, x_re
         pl.when(wg == w)(functools.partial(compute_warpgroup, w))
 
 
-def _pair_window(block_m):
-    """Pair ids a down tile copies: its block_m, at least 32 (a TMA copy moves a multiple of 128 bytes)."""
-    return max(block_m, 32)
-
-
-def _grouped_gemm(num_blocks, block_expert, block_row, slot_pair, x, w, s, out_type, *, gate_up, block_m, num_sms,
+def _grouped_gemm(num_blocks, block_expert, block_row, x, w, s, out_type, *, gate_up, block_m, num_sms,
                   wgmma_in_flight, interpret):
     stage_bytes = 2 * (STAGE_WORDS * TILE_N * 4 + STAGE_WORDS // 4 * TILE_N * 2) + STAGE_CHUNKS * block_m * CHUNK * 2
     if gate_up:
         out_smem = plgpu.SMEM((2, block_m, WG_N), jnp.bfloat16)
         out_bytes = 2 * block_m * WG_N * 2
     else:
-        # rows padded by 4 floats: the transposed stores of a warp then hit 32 distinct banks
-        out_smem = plgpu.SMEM((2, 2, block_m, WG_N + 4), jnp.float32)
-        out_bytes = 4 * block_m * (WG_N + 4) * 4
+        out_smem = plgpu.SMEM((2, 2, block_m, WG_N), jnp.float32)
+        out_bytes = 4 * block_m * WG_N * 4
     a_bytes = 2 * 64 * CHUNK * 2 if interpret else 0
     num_stages = min(4, (SMEM_BYTES - out_bytes - a_bytes - 2048) // stage_bytes)
     scratch = [
@@ -320,10 +302,8 @@ def _grouped_gemm(num_blocks, block_expert, block_row, slot_pair, x, w, s, out_t
         _smem((num_stages, STAGE_CHUNKS, block_m, CHUNK), jnp.bfloat16, 128),  # x_smem [slot, chunk]
         _smem((2, 64, CHUNK), jnp.bfloat16, 128) if interpret else plgpu.SMEM((1,), jnp.float32),  # a_smem
         out_smem,
-        plgpu.SMEM((2, _pair_window(block_m)), jnp.int32),  # pair_smem [warpgroup, row] (down)
         plgpu.Barrier(num_arrivals=NUM_COPIES, num_barriers=num_stages),  # full_bars
         plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # empty_bars
-        plgpu.Barrier(num_barriers=2),  # pair_bars [warpgroup]
     ]
     kernel = plgpu.kernel(
         functools.partial(_kernel, gate_up=gate_up, block_m=block_m, num_stages=num_stages,
@@ -333,8 +313,7 @@ def _grouped_gemm(num_blocks, block_expert, block_row, slot_pair, x, w, s, out_t
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    slot_pair = jnp.pad(slot_pair, (0, _pair_window(block_m) - block_m), constant_values=-1)
-    return kernel(num_blocks, block_expert, block_row, slot_pair, x, w, s)
+    return kernel(num_blocks, block_expert, block_row, x, w, s)
 
 
 def gate_up_rows(local_ids, route, num_experts, block_m, top_k):
@@ -390,6 +369,7 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
         weights = tuple(w.reshape((num_layers * num_experts,) + w.shape[2:]) for w in weights)
     else:
         num_experts = w13_packed.shape[0]
+    check_args(x, topk_ids, topk_weights, *weights)
     d, i = x.shape[1], w13_packed.shape[-1]
     stage_inputs = STAGE_WORDS * PACK
     if d % (2 * TILE_N) or d % stage_inputs or i % TILE_N or i % stage_inputs:
@@ -404,10 +384,15 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
     slot_row = jnp.arange(route.block_expert.shape[0], dtype=jnp.int32) * block_m
     common = dict(block_m=block_m, num_sms=num_sms or default_num_sms(), wgmma_in_flight=wgmma_in_flight,
                   interpret=interpret)
-    h = _grouped_gemm(num_blocks, block_expert, x_row, route.slot_pair, xs, *weights[:2],
-                      jax.ShapeDtypeStruct((route.slot_pair.shape[0], i), x.dtype), gate_up=True, **common)
-    y_pairs = _grouped_gemm(num_blocks, block_expert, slot_row, route.slot_pair, h, *weights[2:],
-                            jax.ShapeDtypeStruct((num_tokens * top_k, d), jnp.float32), gate_up=False, **common)
+    num_slots = route.slot_pair.shape[0]
+    h = _grouped_gemm(num_blocks, block_expert, x_row, xs, *weights[:2],
+                      jax.ShapeDtypeStruct((num_slots, i), x.dtype), gate_up=True, **common)
+    y_slots = _grouped_gemm(num_blocks, block_expert, slot_row, h, *weights[2:],
+                            jax.ShapeDtypeStruct((num_slots, d), jnp.float32), gate_up=False, **common)
+    num_pairs = num_tokens * top_k
+    pair_rows = jnp.where(route.slot_pair >= 0, route.slot_pair, num_pairs)
+    slot_of_pair = jnp.zeros(num_pairs, jnp.int32).at[pair_rows].set(jnp.arange(num_slots, dtype=jnp.int32),
+                                                                      mode="drop")
     on_shard = ((local_ids >= 0) & (local_ids < num_experts))[:, None]
-    y_pairs = jnp.where(on_shard, y_pairs, 0.0) * topk_weights.reshape(-1, 1).astype(jnp.float32)
+    y_pairs = jnp.where(on_shard, y_slots[slot_of_pair], 0.0) * topk_weights.reshape(-1, 1).astype(jnp.float32)
     return y_pairs.reshape(num_tokens, top_k, d).sum(axis=1).astype(out_dtype or x.dtype)

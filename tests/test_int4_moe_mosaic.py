@@ -144,3 +144,19 @@ def test_gate_up_rows_are_tile_aligned_and_hold_each_slots_token(num_tokens, blo
         valid = slot_pair[b] >= 0
         np.testing.assert_array_equal(token_of_row[block_row[b]:block_row[b] + block_m][valid], slot_pair[b][valid] // 4)
     assert np.sum(token_of_row >= 0) == np.sum(np.asarray(local_ids) < 8)
+
+
+@pytest.mark.parametrize("num_tokens,kernel", [(16, "triton"), (64, "mosaic"), (1024, "mosaic")])
+def test_wrapper_default_picks_mosaic_from_64_bf16_tokens(num_tokens, kernel):
+    """int4_moe_gemm.fused_moe with no tiling: the Mosaic kernels where they won the H200 race (bf16, M >= 64),
+    Triton below; float32 and interpret mode always take Triton."""
+    e, d, i = 384, 7168, 2048
+    args = (jax.ShapeDtypeStruct((num_tokens, d), jnp.bfloat16), jax.ShapeDtypeStruct((num_tokens, 8), jnp.int32),
+            jax.ShapeDtypeStruct((num_tokens, 8), jnp.float32),
+            jax.ShapeDtypeStruct((e, d // 8, 2, i), jnp.int32), jax.ShapeDtypeStruct((e, d // 32, 2, i), jnp.bfloat16),
+            jax.ShapeDtypeStruct((e, i // 8, d), jnp.int32), jax.ShapeDtypeStruct((e, i // 32, d), jnp.bfloat16))
+    with use_abstract_mesh(H200):
+        hlo = jax.jit(moe.fused_moe).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("@mosaic_gpu_v2(") == (2 if kernel == "mosaic" else 0)
+    assert moe.mosaic_block_m(num_tokens, jnp.float32, d, i) is None
+    assert moe.mosaic_block_m(num_tokens, jnp.bfloat16, d, i, interpret=True) is None

@@ -1,0 +1,135 @@
+"""Where the time of pallas_kernels/int4_moe_mosaic goes, at K2.6 shapes (384 experts, top-8) on the GPU.
+
+For each M: the wrapper against the Triton default, each kernel alone (gate_up, down) on the wrapper's own
+inputs, and the floors (gate_up streams 2/3 of the touched bytes, down 1/3). With --profile: Mosaic's
+profiler over the first `--ranges` named-scope ranges of every warpgroup (kernel named scopes: the memory
+warpgroup's `wait_empty`, the compute warpgroups' `wait_full` and `epilogue`), summed per warpgroup.
+
+GPU:  PYTHONPATH=. python3 scripts/profile_moe_mosaic.py --out $OUT/moe_mosaic_parts.json [--profile]
+"""
+import argparse
+import collections
+import functools
+import glob
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import int4_moe_gemm as moe
+from pallas_kernels import int4_moe_mosaic as mosaic
+from scripts import bench_moe_gemm as bench
+
+D, I, E, TOP_K = 7168, 2048, 384, 8
+
+
+def median_seconds(fn, *args, iters=10):
+    compiled = jax.jit(fn).lower(*args).compile()
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / iters)
+    return float(np.median(times))
+
+
+def kernel_inputs(x, ids, block_m):
+    """The two kernels' operands as fused_moe_mosaic builds them (h for down: zeros of its shape)."""
+    local_ids = ids.reshape(-1)
+    route = moe.sort_routing(local_ids, E, block_m)
+    num_blocks = jnp.sum(route.block_expert >= 0, dtype=jnp.int32)[None]
+    token_of_row, x_row = mosaic.gate_up_rows(local_ids, route, E, block_m, TOP_K)
+    xs = jnp.where(token_of_row[:, None] >= 0, mosaic.to_p1_order(x)[jnp.maximum(token_of_row, 0)], 0)
+    slot_row = jnp.arange(route.block_expert.shape[0], dtype=jnp.int32) * block_m
+    h = jnp.zeros((route.slot_pair.shape[0], I), jnp.bfloat16)
+    return (num_blocks, route.block_expert, x_row, xs), (num_blocks, route.block_expert, slot_row, h)
+
+
+def kernels(block_m):
+    common = dict(block_m=block_m, num_sms=mosaic.default_num_sms(), wgmma_in_flight=1, interpret=False)
+
+    def gate_up(num_blocks, block_expert, rows, xs, w, s):
+        out = jax.ShapeDtypeStruct((block_expert.shape[0] * block_m, I), jnp.bfloat16)
+        return mosaic._grouped_gemm(num_blocks, block_expert, rows, xs, w, s, out, gate_up=True, **common)
+
+    def down(num_blocks, block_expert, rows, h, w, s):
+        out = jax.ShapeDtypeStruct((h.shape[0], D), jnp.float32)
+        return mosaic._grouped_gemm(num_blocks, block_expert, rows, h, w, s, out, gate_up=False, **common)
+
+    return gate_up, down
+
+
+def summarize_traces(prof_dir):
+    """Per named scope: the mean over warpgroups of the time each spent in it; and the mean traced span."""
+    per_scope, spans = collections.defaultdict(list), []
+    for path in glob.glob(os.path.join(prof_dir, "*.json")):
+        opened, totals, first, last = {}, collections.defaultdict(lambda: collections.defaultdict(float)), {}, {}
+        for event in json.load(open(path))["traceEvents"]:
+            tid, name = event["tid"], event["name"]
+            first.setdefault(tid, event["ts"])
+            last[tid] = event["ts"]
+            if event["ph"] == "B":
+                opened[tid, name] = event["ts"]
+            else:
+                totals[tid][name] += event["ts"] - opened.pop((tid, name))
+        for tid, scopes in totals.items():
+            spans.append(last[tid] - first[tid])
+            for name, us in scopes.items():
+                per_scope[name].append(us)
+    return dict(mean_span_us=float(np.mean(spans)), mean_us_per_warpgroup={k: float(np.mean(v)) for k, v in
+                                                                            per_scope.items()})
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ms", default="512,1024")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--ranges", type=int, default=96)
+    args = parser.parse_args()
+    key = jax.random.PRNGKey(0)
+    experts = bench.random_weights(key, E, D, I)
+    copy_bw = bench.copy_ceiling(8 << 30, 3)
+    record = dict(device=jax.devices()[0].device_kind, copy_bytes_per_s=copy_bw, rows=[])
+    for m in (int(v) for v in args.ms.split(",")):
+        block_m = 16 if m <= 512 else 32
+        ids, weights = (a[0] for a in bench.random_routings(jax.random.fold_in(key, m), 1, m, E, TOP_K))
+        x = jax.random.normal(jax.random.fold_in(key, m + 7), (m, D), jnp.float32).astype(jnp.bfloat16)
+        floor = len(np.unique(np.asarray(ids))) * bench.expert_bytes(D, I) / copy_bw
+        gate_up_args, down_args = kernel_inputs(x, ids, block_m)
+        gate_up, down = kernels(block_m)
+        tiling = moe.fit_tiling(moe.choose_tiling(m, TOP_K), D, I)
+        row = dict(M=m, block_m=block_m, floor_us=floor * 1e6,
+                   triton_us=median_seconds(functools.partial(moe.fused_moe, tiling=tiling), x, ids, weights,
+                                            *experts) * 1e6,
+                   mosaic_us=median_seconds(functools.partial(mosaic.fused_moe_mosaic, block_m=block_m), x, ids,
+                                            weights, *experts) * 1e6,
+                   gate_up_us=median_seconds(gate_up, *gate_up_args, *experts[:2]) * 1e6,
+                   gate_up_floor_us=floor * 2 / 3 * 1e6,
+                   down_us=median_seconds(down, *down_args, *experts[2:]) * 1e6, down_floor_us=floor / 3 * 1e6)
+        if args.profile:
+            params = mosaic.plgpu.CompilerParams
+            mosaic.SMEM_BYTES -= 3 * args.ranges * 16  # the profiler's buffers
+            for name, fn, operands in (("gate_up", gate_up, gate_up_args + experts[:2]),
+                                       ("down", down, down_args + experts[2:])):
+                prof_dir = os.path.join(os.path.dirname(args.out) or ".", f"profile_{name}_m{m}")
+                os.makedirs(prof_dir, exist_ok=True)
+                mosaic.plgpu.CompilerParams = functools.partial(params, profile_space=args.ranges,
+                                                                profile_dir=prof_dir, profile_bounds_check=True)
+                jax.block_until_ready(jax.jit(fn)(*operands))
+                mosaic.plgpu.CompilerParams = params
+                row[f"profile_{name}"] = summarize_traces(prof_dir)
+            mosaic.SMEM_BYTES += 3 * args.ranges * 16
+        record["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        json.dump(record, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
