@@ -187,11 +187,11 @@ MOSAIC_MIN_TOKENS = 64  # from here on the Mosaic GPU kernels won every race (be
 
 def mosaic_block_m(num_tokens, dtype, d, i, interpret=False):
     """block_m of the Mosaic GPU kernels (int4_moe_mosaic) when the wrapper's default should use them, else None:
-    bf16 on the GPU, M >= MOSAIC_MIN_TOKENS, and D, I multiples of 256; 16-row blocks up to M = 512 (~11 rows an
-    expert), 32 beyond."""
+    bf16 on the GPU, M >= MOSAIC_MIN_TOKENS, and D, I multiples of 256. The race winners: 16-row blocks up to
+    M = 512 (~11 rows an expert), 32 at M = 1024 (~21), 64 at M = 4096."""
     if interpret or jnp.dtype(dtype) != jnp.bfloat16 or num_tokens < MOSAIC_MIN_TOKENS or d % 256 or i % 256:
         return None
-    return 16 if num_tokens <= 512 else 32
+    return 16 if num_tokens <= 512 else 32 if num_tokens <= 2048 else 64
 
 
 def _fit_block(block, dim, minimum, name):

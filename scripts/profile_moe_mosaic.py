@@ -5,14 +5,16 @@ inputs, and the floors (gate_up streams 2/3 of the touched bytes, down 1/3). Wit
 profiler over the first `--ranges` named-scope ranges of every warpgroup (kernel named scopes: the memory
 warpgroup's `wait_empty`, the compute warpgroups' `wait_full` and `epilogue`), summed per warpgroup.
 
-GPU:  PYTHONPATH=. python3 scripts/profile_moe_mosaic.py --out $OUT/moe_mosaic_parts.json [--profile]
+GPU:  PYTHONPATH=. python3 scripts/profile_moe_mosaic.py --out $OUT/moe_mosaic_parts.json --commit SHA [--profile]
 """
 import argparse
 import collections
+import datetime
 import functools
 import glob
 import json
 import os
+import sys
 import time
 
 import jax
@@ -92,11 +94,14 @@ def main():
     parser.add_argument("--ms", default="512,1024")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--ranges", type=int, default=96)
+    parser.add_argument("--commit", default="unknown")
     args = parser.parse_args()
     key = jax.random.PRNGKey(0)
     experts = bench.random_weights(key, E, D, I)
     copy_bw = bench.copy_ceiling(8 << 30, 3)
-    record = dict(device=jax.devices()[0].device_kind, copy_bytes_per_s=copy_bw, rows=[])
+    record = dict(device=jax.devices()[0].device_kind, commit=args.commit, command=" ".join(["python3", *sys.argv]),
+                  date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), copy_bytes_per_s=copy_bw,
+                  rows=[])
     for m in (int(v) for v in args.ms.split(",")):
         block_m = 16 if m <= 512 else 32
         ids, weights = (a[0] for a in bench.random_routings(jax.random.fold_in(key, m), 1, m, E, TOP_K))
@@ -116,8 +121,9 @@ def main():
         if args.profile:
             params = mosaic.plgpu.CompilerParams
             mosaic.SMEM_BYTES -= 3 * args.ranges * 16  # the profiler's buffers
-            for name, fn, operands in (("gate_up", gate_up, gate_up_args + experts[:2]),
-                                       ("down", down, down_args + experts[2:])):
+            fresh = kernels(block_m)  # new functions: jit would reuse the unprofiled traces of the timed ones
+            for name, fn, operands in (("gate_up", fresh[0], gate_up_args + experts[:2]),
+                                       ("down", fresh[1], down_args + experts[2:])):
                 prof_dir = os.path.join(os.path.dirname(args.out) or ".", f"profile_{name}_m{m}")
                 os.makedirs(prof_dir, exist_ok=True)
                 mosaic.plgpu.CompilerParams = functools.partial(params, profile_space=args.ranges,

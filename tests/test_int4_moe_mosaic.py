@@ -146,7 +146,7 @@ def test_gate_up_rows_are_tile_aligned_and_hold_each_slots_token(num_tokens, blo
     assert np.sum(token_of_row >= 0) == np.sum(np.asarray(local_ids) < 8)
 
 
-@pytest.mark.parametrize("num_tokens,kernel", [(16, "triton"), (64, "mosaic"), (1024, "mosaic")])
+@pytest.mark.parametrize("num_tokens,kernel", [(16, "triton"), (64, "mosaic"), (1024, "mosaic"), (4096, "mosaic")])
 def test_wrapper_default_picks_mosaic_from_64_bf16_tokens(num_tokens, kernel):
     """int4_moe_gemm.fused_moe with no tiling: the Mosaic kernels where they won the H200 race (bf16, M >= 64),
     Triton below; float32 and interpret mode always take Triton."""
@@ -160,3 +160,22 @@ def test_wrapper_default_picks_mosaic_from_64_bf16_tokens(num_tokens, kernel):
     assert hlo.count("@mosaic_gpu_v2(") == (2 if kernel == "mosaic" else 0)
     assert moe.mosaic_block_m(num_tokens, jnp.float32, d, i) is None
     assert moe.mosaic_block_m(num_tokens, jnp.bfloat16, d, i, interpret=True) is None
+
+
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_sharded_forms_lower_with_the_mosaic_kernels(mode):
+    """Under shard_map over 8 abstract H200s, experts split (48 a device) or I split (256 a device), M = 1024:
+    each shard's default takes the Mosaic kernels and they lower."""
+    mesh = AbstractMesh((8,), ("model",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                                                         platform="cuda"))
+    n, e, d, i, m = 2, 384, 7168, 2048, 1024
+    shapes = ((m, d), (m, 8), (m, 8), (n, e, d // 8, 2, i), (n, e, d // 32, 2, i), (n, e, i // 8, d),
+              (n, e, i // 32, d), ())
+    dtypes = (jnp.bfloat16, jnp.int32, jnp.float32, jnp.int32, jnp.bfloat16, jnp.int32, jnp.bfloat16, jnp.int32)
+    specs = moe.fused_moe_specs(mode, stacked=True) + (jax.sharding.PartitionSpec(),)
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+            for shape, dtype, spec in zip(shapes, dtypes, specs)]
+    with use_abstract_mesh(mesh):
+        hlo = jax.jit(moe.fused_moe_sharded(mesh, mode=mode, stacked=True)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("@mosaic_gpu_v2(") == 2
