@@ -232,7 +232,7 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
                     words = [tile[...] for tile in tiles]
                     scales = [s_smem[slot, o, :, my_cols] for o in range(2)]
                 else:
-                    words = [plgpu.layout_cast(plgpu.load(tile, (), layout=plgpu.Layout._WGMMA_ACC_32BIT),
+                    words = [plgpu.layout_cast(plgpu.load(tile, layout=plgpu.Layout._WGMMA_ACC_32BIT),
                                                plgpu.Layout.WGMMA) for tile in tiles]
                 for c in range(STAGE_CHUNKS):
                     x_t = x_smem.at[slot, c].T
