@@ -129,7 +129,7 @@ def _dequant_chunk_jnp(words, scales, chunk):
 
 
 def _store_transposed(acc, out_ref, p1_order):
-    """acc [64 cols, bm] (WGMMA layout) -> out_ref [bm, >= 64] (plain shared memory): out_ref[s, n] = acc[n, s],
+    """acc [64 cols, bm] (WGMMA layout) -> out_ref [bm, 64] (plain shared memory): out_ref[s, n] = acc[n, s],
     or out_ref[s, k] = acc[P1[k], s] when p1_order (h, in the input order the down kernel reads). Each thread
     stores its own elements, so the transposition costs no shuffles."""
 
@@ -287,6 +287,8 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
 
 def _grouped_gemm(num_blocks, block_expert, block_row, x, w, s, out_type, *, gate_up, block_m, num_sms,
                   wgmma_in_flight, interpret):
+    """One of the two GEMMs (see `_kernel`) over the first num_blocks[0] row blocks: block_expert [NB] (row of
+    the weight stack), block_row [NB] (first x row). As many pipeline stages as fit in shared memory, up to 4."""
     stage_bytes = 2 * (STAGE_WORDS * TILE_N * 4 + STAGE_WORDS // 4 * TILE_N * 2) + STAGE_CHUNKS * block_m * CHUNK * 2
     if gate_up:
         out_smem = plgpu.SMEM((2, block_m, WG_N), jnp.bfloat16)
@@ -323,7 +325,7 @@ def gate_up_rows(local_ids, route, num_experts, block_m, top_k):
     Returns token_of_row [R] int32 (the token whose x fills row r, -1 = zero row; R a multiple of 8) and
     block_row [num_blocks] int32 (multiples of 8): block b reads rows block_row[b] .. + block_m, whose valid
     rows are those of its slots. Rows past its expert's pairs are padding or the next expert's; they land in
-    padding slots of h, which down skips.
+    padding slots of h and of down's output, which the combine never reads.
     """
     ceil_to = lambda n, multiple: -(-n // multiple) * multiple
     on_shard = (local_ids >= 0) & (local_ids < num_experts)

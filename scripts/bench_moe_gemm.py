@@ -1,5 +1,8 @@
 """Benchmark pallas_kernels.int4_moe_gemm.fused_moe at K2.6 shapes against its memory/compute floor.
 
+Rows: Triton tilings (int4_moe_gemm) and the Mosaic GPU kernels (int4_moe_mosaic, "mosaic_m<block_m>"); "*" marks
+the wrapper's default (tiling=None), which is the Mosaic kernels for bf16 M >= 64.
+
 K2.6 MoE layer: 384 experts, top-8, D=7168, I=2048, uniform random routing. For each M it reports the time,
 touched-expert bytes (packed + scales), FLOPs, floor = max(bytes / copy ceiling, FLOPs / matmul ceiling) with
 both ceilings measured in the same run, % of floor and us/token; plus tile variants and three XLA baselines
@@ -258,7 +261,11 @@ def main():
         for name, tiling in named.items():
             fn = functools.partial(moe.fused_moe, tiling=tiling, interpret=interpret)
             cases.append((name, "pallas", m, fn, experts, tiling))
-        for name in (n for n in names if n in MOSAIC):
+        mosaic_names = [n for n in names if n in MOSAIC]
+        wrapper_block_m = moe.mosaic_block_m(m, routings[m][0].dtype, d, i, interpret)
+        if wrapper_block_m and f"mosaic_m{wrapper_block_m}" not in mosaic_names:  # the wrapper's default
+            mosaic_names.append(f"mosaic_m{wrapper_block_m}")
+        for name in mosaic_names:
             fn = functools.partial(int4_moe_mosaic.fused_moe_mosaic, block_m=MOSAIC[name])
             cases.append((name, "mosaic", m, fn, experts, None))
     if not args.no_baselines:
@@ -298,10 +305,13 @@ def main():
         loop, single, error = compiled
         nbytes, flops, floor = floor_of(m)
         row = {"name": name, "kind": kind, "M": m, "touched_bytes": nbytes, "flops": flops, "floor_s": floor}
+        wrapper_block_m = moe.mosaic_block_m(m, routings[m][0].dtype, d, i, interpret)
         if tiling is not None:
             row["tiling"] = dataclasses.asdict(tiling)
-            row["default"] = tiling == moe.fit_tiling(moe.choose_tiling(m, top_k, routings[m][0].dtype, interpret),
-                                                      d, i)
+            row["default"] = not wrapper_block_m and tiling == moe.fit_tiling(
+                moe.choose_tiling(m, top_k, routings[m][0].dtype, interpret), d, i)
+        elif kind == "mosaic":
+            row["default"] = MOSAIC[name] == wrapper_block_m
         if error:
             row["error"] = error
         else:
