@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import arch
+
 GROUP = 32  # input rows per scale
 PACK = 8  # nibbles per int32 word
 
@@ -187,9 +189,10 @@ MOSAIC_MIN_TOKENS = 64  # from here on the Mosaic GPU kernels won every race (be
 
 def mosaic_block_m(num_tokens, dtype, d, i, interpret=False):
     """block_m of the Mosaic GPU kernels (int4_moe_mosaic) when the wrapper's default should use them, else None:
-    bf16 on the GPU, M >= MOSAIC_MIN_TOKENS, and D, I multiples of 256. The race winners: 16-row blocks up to
-    M = 512 (~11 rows an expert), 32 at M = 1024 (~21), 64 at M = 4096."""
-    if interpret or jnp.dtype(dtype) != jnp.bfloat16 or num_tokens < MOSAIC_MIN_TOKENS or d % 256 or i % 256:
+    bf16 on a Hopper GPU (`arch.has_wgmma`), M >= MOSAIC_MIN_TOKENS, and D, I multiples of 256. The race winners:
+    16-row blocks up to M = 512 (~11 rows an expert), 32 at M = 1024 (~21), 64 at M = 4096."""
+    if (interpret or jnp.dtype(dtype) != jnp.bfloat16 or num_tokens < MOSAIC_MIN_TOKENS or d % 256 or i % 256
+            or not arch.has_wgmma()):
         return None
     return 16 if num_tokens <= 512 else 32 if num_tokens <= 2048 else 64
 

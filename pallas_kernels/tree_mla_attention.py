@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
 
-from pallas_kernels import mla_prefix_mosaic
+from pallas_kernels import arch, mla_prefix_mosaic
 
 _LOG2E = math.log2(math.e)
 _NUM_SMS = 132  # H200; sizes the default prefix split
@@ -303,7 +303,7 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
   for 64-row tiles and two for 16-row tiles); num_warps (default 8 for block_m >= 64, else 4) and
   num_stages for Triton. prefix_kernel: "triton" (the kernel below), "mosaic" (`mla_prefix_mosaic`,
   warp-specialised; see `mosaic_prefix_fits`; block_m / block_k / block_r / warps / stages do not apply)
-  or "auto": mosaic where it fits and T*H > 16, else triton.
+  or "auto": mosaic where it fits, T*H > 16 and the GPU is a Hopper (`arch.has_wgmma`), else triton.
   Defaults are the H200 tuning winners (bench/verify_attn.md): block_k 64, 2 stages, latent in 256-wide
   chunks for 64-row tiles (verify 42.5% of floor vs 34.5% for block_k 32 / 3 stages / whole latent), and
   whole latent for 16-row tiles (decode at 8 heads: 80.4%).
@@ -326,7 +326,7 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
   qk_scale = scale * _LOG2E
 
   if prefix_kernel == "auto":
-    prefix_kernel = "mosaic" if mosaic_prefix_fits(q_lat, cache) and M > 16 else "triton"
+    prefix_kernel = "mosaic" if mosaic_prefix_fits(q_lat, cache) and M > 16 and arch.has_wgmma() else "triton"
   if prefix_kernel == "mosaic":
     if not mosaic_prefix_fits(q_lat, cache):
       raise ValueError(f"prefix_kernel='mosaic' needs bf16 q and cache, (R, P) = (512, 64) and S_max % 8 == 0; "

@@ -179,3 +179,22 @@ def test_sharded_forms_lower_with_the_mosaic_kernels(mode):
         hlo = jax.jit(moe.fused_moe_sharded(mesh, mode=mode, stacked=True)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
     assert hlo.count("@mosaic_gpu_v2(") == 2
+
+
+def test_gpus_without_wgmma_keep_to_the_triton_kernels(monkeypatch):
+    """Ampere, Ada and Blackwell have no wgmma: the MoE default and the attention's "auto" prefix kernel must not
+    pick a Mosaic kernel there (it would fail to compile); Hopper (9.x) and abstract devices may."""
+    from types import SimpleNamespace
+    from pallas_kernels import arch
+    from pallas_kernels.tree_mla_attention import tree_mla_attention
+    assert arch.has_wgmma(SimpleNamespace(compute_capability="9.0"))
+    assert not any(arch.has_wgmma(SimpleNamespace(compute_capability=cc)) for cc in ("8.0", "8.9", "10.0", "12.0"))
+    assert arch.has_wgmma(SimpleNamespace()) and moe.mosaic_block_m(1024, jnp.bfloat16, 7168, 2048) == 32
+    monkeypatch.setattr(arch, "has_wgmma", lambda device=None: False)
+    assert moe.mosaic_block_m(1024, jnp.bfloat16, 7168, 2048) is None
+    shapes = [((2, 65, 64, 512), jnp.bfloat16), ((2, 65, 64, 64), jnp.bfloat16), ((2, 4096, 576), jnp.bfloat16),
+              ((2,), jnp.int32), ((2, 65, 576), jnp.bfloat16), ((2, 65, 65), jnp.bool_)]
+    with use_abstract_mesh(H200):
+        hlo = jax.jit(functools.partial(tree_mla_attention, scale=0.1)).trace(
+            *[jax.ShapeDtypeStruct(s, d) for s, d in shapes]).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("@mosaic_gpu_v2(") == 0
