@@ -83,6 +83,18 @@ def select_layer(weights, layer):
     return tuple(jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False) for w in weights)
 
 
+def flatten_layers(weights, layer):
+    """Weights stacked per layer ([n, E, ...] each) -> ([n*E, ...] views (a free reshape), E, first row of
+    `layer`); unstacked (layer None) -> (weights, E, 0). Kernels index the layer inside the stack, so no
+    per-layer copy of the experts is made, as slicing the stack in front of a custom call would."""
+    if layer is None:
+        return weights, weights[0].shape[0], 0
+    num_layers, per_layer = weights[0].shape[:2]
+    if any(w.shape[:2] != (num_layers, per_layer) for w in weights):
+        raise ValueError(f"stacked weights must share their leading [n, E] dims, got {[w.shape for w in weights]}")
+    return tuple(w.reshape((num_layers * per_layer,) + w.shape[2:]) for w in weights), per_layer, layer * per_layer
+
+
 def fused_moe_reference(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *,
                         expert_offset=0, out_dtype=None, layer=None):
     """Plain-jnp fused MoE. x [M, D], topk_ids [M, k] int, topk_weights [M, k] -> y [M, D] (out_dtype or x.dtype).
@@ -432,17 +444,9 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
         return int4_moe_mosaic.fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
                                                 w2_scale, expert_offset=expert_offset, block_m=block_m,
                                                 out_dtype=out_dtype, layer=layer)
-    weights = (w13_packed, w13_scale, w2_packed, w2_scale)
-    stack_offset = 0
-    if layer is not None:
-        num_layers, per_layer = w13_packed.shape[:2]
-        if any(w.shape[:2] != (num_layers, per_layer) for w in weights):
-            raise ValueError(f"stacked weights must share their leading [n, E] dims, got {[w.shape for w in weights]}")
-        weights = tuple(w.reshape((num_layers * per_layer,) + w.shape[2:]) for w in weights)
-        stack_offset = layer * per_layer
+    weights, num_experts, stack_offset = flatten_layers((w13_packed, w13_scale, w2_packed, w2_scale), layer)
     w13_packed, w13_scale, w2_packed, w2_scale = weights
     check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
-    num_experts = per_layer if layer is not None else w13_packed.shape[0]
     d, i = x.shape[1], w13_packed.shape[-1]
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")

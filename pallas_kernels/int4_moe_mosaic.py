@@ -37,7 +37,8 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.int4_moe_gemm import PACK, check_args, sort_routing
+from pallas_kernels.int4_moe_gemm import PACK, check_args, flatten_layers, sort_routing
+from pallas_kernels.mla_prefix_mosaic import tiled_smem
 
 CHUNK = 64  # inputs a wgmma call (one 128-byte swizzle row of bf16)
 STAGE_WORDS = 32  # packed int32 rows a pipeline stage: 256 inputs, 4 chunks
@@ -154,14 +155,8 @@ def _store_transposed(acc, out_ref, p1_order):
     store(acc, out_ref)
 
 
-def _smem(shape, dtype, row_bytes):
-    swizzle = min(128, row_bytes)
-    elems = swizzle // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)))
-
-
 def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref, out_ref, w_smem, s_smem, x_smem,
-            a_smem, out_smem, full_bars, empty_bars, *, gate_up, block_m, num_stages, wgmma_in_flight, interpret):
+            a_smem, out_smem, full_bars, empty_bars, *, gate_up, block_m, num_stages, interpret):
     """Both GEMMs. x [rows, K] bf16 (P1-permuted); row block b reads x rows block_row[b] .. + block_m.
     gate_up: w [E, K/8, 2, N] int32, s [E, K/32, 2, N] bf16, out h [rows, N] bf16 (rows in slot order);
     down: w [E, K/8, N], s [E, K/32, N], out y [rows, N] f32. Output rows are slots: b * block_m + [0, block_m)."""
@@ -245,7 +240,7 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
                         else:  # dequantize the next chunk while this one multiplies
                             a = _dequant_chunk(words[o][:, c * 8:(c + 1) * 8], s_smem.at[slot, o], c, w * WG_N)
                             plgpu.wgmma(acc_ref, a, x_t)
-                            plgpu.wgmma_wait(wgmma_in_flight)
+                            plgpu.wgmma_wait(1)
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(empty_bars.at[slot])
 
@@ -286,7 +281,7 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
 
 
 def _grouped_gemm(num_blocks, block_expert, block_row, x, w, s, out_type, *, gate_up, block_m, num_sms,
-                  wgmma_in_flight, interpret):
+                  interpret):
     """One of the two GEMMs (see `_kernel`) over the first num_blocks[0] row blocks: block_expert [NB] (row of
     the weight stack), block_row [NB] (first x row). As many pipeline stages as fit in shared memory, up to 4."""
     stage_bytes = 2 * (STAGE_WORDS * TILE_N * 4 + STAGE_WORDS // 4 * TILE_N * 2) + STAGE_CHUNKS * block_m * CHUNK * 2
@@ -299,17 +294,16 @@ def _grouped_gemm(num_blocks, block_expert, block_row, x, w, s, out_type, *, gat
     a_bytes = 2 * 64 * CHUNK * 2 if interpret else 0
     num_stages = min(4, (SMEM_BYTES - out_bytes - a_bytes - 2048) // stage_bytes)
     scratch = [
-        _smem((num_stages, 2, STAGE_WORDS, TILE_N), jnp.int32, 128),  # w_smem [slot, tile]
+        tiled_smem((num_stages, 2, STAGE_WORDS, TILE_N), jnp.int32, 128),  # w_smem [slot, tile]
         plgpu.SMEM((num_stages, 2, STAGE_WORDS // 4, TILE_N), jnp.bfloat16),  # s_smem [slot, tile, group, col]
-        _smem((num_stages, STAGE_CHUNKS, block_m, CHUNK), jnp.bfloat16, 128),  # x_smem [slot, chunk]
-        _smem((2, 64, CHUNK), jnp.bfloat16, 128) if interpret else plgpu.SMEM((1,), jnp.float32),  # a_smem
+        tiled_smem((num_stages, STAGE_CHUNKS, block_m, CHUNK), jnp.bfloat16, 128),  # x_smem [slot, chunk]
+        tiled_smem((2, 64, CHUNK), jnp.bfloat16, 128) if interpret else plgpu.SMEM((1,), jnp.float32),  # a_smem
         out_smem,
         plgpu.Barrier(num_arrivals=NUM_COPIES, num_barriers=num_stages),  # full_bars
         plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # empty_bars
     ]
     kernel = plgpu.kernel(
-        functools.partial(_kernel, gate_up=gate_up, block_m=block_m, num_stages=num_stages,
-                          wgmma_in_flight=wgmma_in_flight, interpret=interpret),
+        functools.partial(_kernel, gate_up=gate_up, block_m=block_m, num_stages=num_stages, interpret=interpret),
         out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",), num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -349,9 +343,23 @@ def default_num_sms():
     return getattr(device, "core_count", 132) if device.platform == "gpu" else 132
 
 
-@functools.partial(jax.jit, static_argnames=["block_m", "out_dtype", "interpret", "num_sms", "wgmma_in_flight"])
+def routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset=0):
+    """What the two kernels read besides the weights, from local expert ids [P] (outside [0, E) = off-shard):
+    the routing, the number of used row blocks [1] (they come first), each block's expert row in the weight
+    stack (+ stack_offset), gate_up's x windows (`gate_up_rows`) and the P1-permuted x rows, and down's rows of
+    h (slot order). Returns (route, num_blocks, block_expert, x_row, xs, slot_row)."""
+    route = sort_routing(local_ids, num_experts, block_m)
+    num_blocks = jnp.sum(route.block_expert >= 0, dtype=jnp.int32)[None]
+    block_expert = jnp.where(route.block_expert >= 0, route.block_expert + stack_offset, -1)
+    token_of_row, x_row = gate_up_rows(local_ids, route, num_experts, block_m, top_k)
+    xs = jnp.where(token_of_row[:, None] >= 0, to_p1_order(x)[jnp.maximum(token_of_row, 0)], 0)
+    slot_row = jnp.arange(route.block_expert.shape[0], dtype=jnp.int32) * block_m
+    return route, num_blocks, block_expert, x_row, xs, slot_row
+
+
+@functools.partial(jax.jit, static_argnames=["block_m", "out_dtype", "interpret", "num_sms"])
 def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset=0,
-                     block_m=32, out_dtype=None, interpret=False, layer=None, num_sms=None, wgmma_in_flight=1):
+                     block_m=32, out_dtype=None, interpret=False, layer=None, num_sms=None):
     """Mosaic GPU fused MoE with the contract of `int4_moe_gemm.fused_moe_reference` (bf16 x only).
 
     Routing in XLA as the Triton path does (pairs sorted by expert, each group padded to block_m rows for h);
@@ -363,14 +371,7 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
         raise ValueError(f"the Mosaic MoE kernels take bf16 x, got {x.dtype}")
     if block_m not in (16, 32, 64):
         raise ValueError(f"block_m must be 16, 32 or 64, got {block_m}")
-    weights = (w13_packed, w13_scale, w2_packed, w2_scale)
-    if layer is not None:
-        num_layers, num_experts = w13_packed.shape[:2]
-        if any(w.shape[:2] != (num_layers, num_experts) for w in weights):
-            raise ValueError(f"stacked weights must share their leading [n, E] dims, got {[w.shape for w in weights]}")
-        weights = tuple(w.reshape((num_layers * num_experts,) + w.shape[2:]) for w in weights)
-    else:
-        num_experts = w13_packed.shape[0]
+    weights, num_experts, stack_offset = flatten_layers((w13_packed, w13_scale, w2_packed, w2_scale), layer)
     check_args(x, topk_ids, topk_weights, *weights)
     d, i = x.shape[1], w13_packed.shape[-1]
     stage_inputs = STAGE_WORDS * PACK
@@ -378,14 +379,9 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
         raise ValueError(f"D={d} must be a multiple of {2 * TILE_N} and I={i} of {stage_inputs}")
     num_tokens, top_k = topk_ids.shape
     local_ids = topk_ids.reshape(-1).astype(jnp.int32) - expert_offset
-    route = sort_routing(local_ids, num_experts, block_m)
-    num_blocks = jnp.sum(route.block_expert >= 0, dtype=jnp.int32)[None]  # used blocks come first
-    block_expert = route.block_expert + (0 if layer is None else layer * num_experts)
-    token_of_row, x_row = gate_up_rows(local_ids, route, num_experts, block_m, top_k)
-    xs = jnp.where(token_of_row[:, None] >= 0, to_p1_order(x)[jnp.maximum(token_of_row, 0)], 0)
-    slot_row = jnp.arange(route.block_expert.shape[0], dtype=jnp.int32) * block_m
-    common = dict(block_m=block_m, num_sms=num_sms or default_num_sms(), wgmma_in_flight=wgmma_in_flight,
-                  interpret=interpret)
+    route, num_blocks, block_expert, x_row, xs, slot_row = routed_operands(x, local_ids, num_experts, block_m,
+                                                                           top_k, stack_offset)
+    common = dict(block_m=block_m, num_sms=num_sms or default_num_sms(), interpret=interpret)
     num_slots = route.slot_pair.shape[0]
     h = _grouped_gemm(num_blocks, block_expert, x_row, xs, *weights[:2],
                       jax.ShapeDtypeStruct((num_slots, i), x.dtype), gate_up=True, **common)

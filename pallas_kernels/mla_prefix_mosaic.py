@@ -235,7 +235,8 @@ def _kernel(prefix_len_ref, cache_seq_ref, q_ref, cache_ref, tail_ref, bits_ref,
     pl.when(wg == w)(functools.partial(compute_warpgroup, w))
 
 
-def _smem(shape, dtype, row_bytes):
+def tiled_smem(shape, dtype, row_bytes):
+  """SMEM of (8, swizzle-wide) tiles, swizzled by min(128, row_bytes): the layout TMA and wgmma operands want."""
   swizzle = min(128, row_bytes)
   elems = swizzle // jnp.dtype(dtype).itemsize
   return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)))
@@ -271,10 +272,11 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
   bits = lax.bitcast_convert_type(tail_visibility_bits(tail_visible_CMT, M), jnp.float32)  # TMA copies bytes
   scratch = [  # swizzled buffers first: a barrier placed between them costs a 1 KB alignment gap
       # q_smem (swizzled as kv_smem: one wgmma wants one swizzle); dead after the key loop, then the output stage
-      plgpu.RefUnion(_smem((BLOCK_M, D), dtype, 64),
-                     (_smem((2, 2, BLOCK_M, EPI_N), jnp.float32, 128), plgpu.SMEM((BLOCK_M,), jnp.float32))),
-      _smem((STAGES, 2, HALF_K, D), dtype, 64),  # kv_smem [slot, half block]; 32-key MMA operands need 64 B swizzle
-      _smem((2, BLOCK_M, HALF_K), dtype, HALF_K * 2),  # p_smem
+      plgpu.RefUnion(tiled_smem((BLOCK_M, D), dtype, 64),
+                     (tiled_smem((2, 2, BLOCK_M, EPI_N), jnp.float32, 128), plgpu.SMEM((BLOCK_M,), jnp.float32))),
+      # kv_smem [slot, half block]; 32-key MMA operands need 64 B swizzle
+      tiled_smem((STAGES, 2, HALF_K, D), dtype, 64),
+      tiled_smem((2, BLOCK_M, HALF_K), dtype, HALF_K * 2),  # p_smem
       # row_smem: [2] the row exchange, [2 + half tail block] the visibility words (one buffer: each
       # allocation is 1 KB aligned, and two would not fit beside the rest for T = 129)
       plgpu.SMEM((2 + pl.cdiv(T, 32), BLOCK_M), jnp.float32),

@@ -15,7 +15,6 @@ import glob
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -28,33 +27,21 @@ from scripts import bench_moe_gemm as bench
 D, I, E, TOP_K = 7168, 2048, 384, 8
 
 
-def median_seconds(fn, *args, iters=10):
-    compiled = jax.jit(fn).lower(*args).compile()
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = compiled(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / iters)
-    return float(np.median(times))
+def median_seconds(fn, *args):
+    """Median seconds of one call (bench_moe_gemm's timer)."""
+    return bench.median_seconds(jax.jit(fn).lower(*args).compile(), args, 1, 10)
 
 
 def kernel_inputs(x, ids, block_m):
     """The two kernels' operands as fused_moe_mosaic builds them (h for down: zeros of its shape)."""
-    local_ids = ids.reshape(-1)
-    route = moe.sort_routing(local_ids, E, block_m)
-    num_blocks = jnp.sum(route.block_expert >= 0, dtype=jnp.int32)[None]
-    token_of_row, x_row = mosaic.gate_up_rows(local_ids, route, E, block_m, TOP_K)
-    xs = jnp.where(token_of_row[:, None] >= 0, mosaic.to_p1_order(x)[jnp.maximum(token_of_row, 0)], 0)
-    slot_row = jnp.arange(route.block_expert.shape[0], dtype=jnp.int32) * block_m
+    route, num_blocks, block_expert, x_row, xs, slot_row = mosaic.routed_operands(x, ids.reshape(-1), E, block_m,
+                                                                                  TOP_K)
     h = jnp.zeros((route.slot_pair.shape[0], I), jnp.bfloat16)
-    return (num_blocks, route.block_expert, x_row, xs), (num_blocks, route.block_expert, slot_row, h)
+    return (num_blocks, block_expert, x_row, xs), (num_blocks, block_expert, slot_row, h)
 
 
 def kernels(block_m):
-    common = dict(block_m=block_m, num_sms=mosaic.default_num_sms(), wgmma_in_flight=1, interpret=False)
+    common = dict(block_m=block_m, num_sms=mosaic.default_num_sms(), interpret=False)
 
     def gate_up(num_blocks, block_expert, rows, xs, w, s):
         out = jax.ShapeDtypeStruct((block_expert.shape[0] * block_m, I), jnp.bfloat16)
