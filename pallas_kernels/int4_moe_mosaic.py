@@ -217,9 +217,11 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
         my_cols = pl.ds(w * WG_N, WG_N)
 
         def mainloop(j, acc_refs):
+            first_step = j * steps
+
             @pl.loop(0, steps)
             def _step(k):
-                slot = lax.rem(j * steps + k, num_stages)
+                slot = lax.rem(first_step + k, num_stages)
                 with jax.named_scope("wait_full"):
                     plgpu.barrier_wait(full_bars.at[slot])
                 tiles = [w_smem.at[slot, o, :, my_cols].T for o in range(2)]  # [64 cols, 32 words] each
@@ -241,9 +243,12 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
                             a = _dequant_chunk(words[o][:, c * 8:(c + 1) * 8], s_smem.at[slot, o], c, w * WG_N)
                             plgpu.wgmma(acc_ref, a, x_t)
                             plgpu.wgmma_wait(1)
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(empty_bars.at[slot])
+                        if c == o == 0:  # the previous step's dots are done: free its slot (no drain per step)
+                            pl.when(k > 0)(lambda: plgpu.barrier_arrive(
+                                empty_bars.at[lax.rem(first_step + k - 1, num_stages)]))
 
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(empty_bars.at[lax.rem(first_step + steps - 1, num_stages)])
             return tuple(acc_ref[...] for acc_ref in acc_refs)
 
         @pl.loop(0, my_tiles)
@@ -387,10 +392,20 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
                       jax.ShapeDtypeStruct((num_slots, i), x.dtype), gate_up=True, **common)
     y_slots = _grouped_gemm(num_blocks, block_expert, slot_row, h, *weights[2:],
                             jax.ShapeDtypeStruct((num_slots, d), jnp.float32), gate_up=False, **common)
+    on_shard = ((local_ids >= 0) & (local_ids < num_experts)).reshape(num_tokens, top_k)
+    return combine(y_slots, route.slot_pair, on_shard, topk_weights).astype(out_dtype or x.dtype)
+
+
+def combine(y_slots, slot_pair, on_shard, topk_weights):
+    """Down's rows in slot order y_slots [slots, D] f32, slot_pair [slots] (-1 = padding), on_shard [M, k] bool
+    -> y [M, D] f32: per token, the sum over its top k of the routing weight times its pair's row (0 off this
+    shard). One elementwise pass over k gathered rows a token (no [M * k, D] intermediate)."""
+    num_tokens, top_k = on_shard.shape
     num_pairs = num_tokens * top_k
-    pair_rows = jnp.where(route.slot_pair >= 0, route.slot_pair, num_pairs)
-    slot_of_pair = jnp.zeros(num_pairs, jnp.int32).at[pair_rows].set(jnp.arange(num_slots, dtype=jnp.int32),
-                                                                      mode="drop")
-    on_shard = ((local_ids >= 0) & (local_ids < num_experts))[:, None]
-    y_pairs = jnp.where(on_shard, y_slots[slot_of_pair], 0.0) * topk_weights.reshape(-1, 1).astype(jnp.float32)
-    return y_pairs.reshape(num_tokens, top_k, d).sum(axis=1).astype(out_dtype or x.dtype)
+    pair_rows = jnp.where(slot_pair >= 0, slot_pair, num_pairs)
+    slot_of_pair = jnp.zeros(num_pairs, jnp.int32).at[pair_rows].set(
+        jnp.arange(slot_pair.shape[0], dtype=jnp.int32), mode="drop").reshape(num_tokens, top_k)
+    weights = topk_weights.astype(jnp.float32)
+    terms = [jnp.where(on_shard[:, j:j + 1], weights[:, j:j + 1] * y_slots[slot_of_pair[:, j]], 0.0)
+             for j in range(top_k)]
+    return functools.reduce(jnp.add, terms)

@@ -83,6 +83,9 @@ SWAP_RACE = {  # run 8: swapped-operand (wgmma) candidates against the current d
 }
 MOSAIC = {"mosaic_m16": 16, "mosaic_m32": 32, "mosaic_m64": 64}  # int4_moe_mosaic.fused_moe_mosaic, block_m
 MOSAIC_RACE = {  # the Mosaic GPU kernels against the Triton defaults
+    8: ("m16_n64_nf", "mosaic_m16"),
+    16: ("m16_n64_nf", "mosaic_m16"),
+    32: ("m16_n64_nf", "mosaic_m16"),
     64: ("m16_n64_nf", "mosaic_m16"),
     128: ("m16_n64_nf", "mosaic_m16"),
     256: ("m16_n64_nf", "mosaic_m16", "mosaic_m32"),

@@ -1,7 +1,7 @@
 """Where the time of pallas_kernels/int4_moe_mosaic goes, at K2.6 shapes (384 experts, top-8) on the GPU.
 
 For each M: the wrapper against the Triton default, each kernel alone (gate_up, down) on the wrapper's own
-inputs, and the floors (gate_up streams 2/3 of the touched bytes, down 1/3). With --profile: Mosaic's
+inputs, the XLA parts (routing sort, operands, combine), and the floors (gate_up streams 2/3 of the touched bytes, down 1/3). With --profile: Mosaic's
 profiler over the first `--ranges` named-scope ranges of every warpgroup (kernel named scopes: the memory
 warpgroup's `wait_empty`, the compute warpgroups' `wait_full` and `epilogue`), summed per warpgroup.
 
@@ -27,9 +27,11 @@ from scripts import bench_moe_gemm as bench
 D, I, E, TOP_K = 7168, 2048, 384, 8
 
 
-def median_seconds(fn, *args):
-    """Median seconds of one call (bench_moe_gemm's timer)."""
-    return bench.median_seconds(jax.jit(fn).lower(*args).compile(), args, 1, 10)
+def median_seconds(fn, *args, calls=20):
+    """Median over 5 repeats of the seconds a call of `calls` dispatched back to back (so the GPU, not the host's
+    dispatch, sets the pace)."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    return bench.median_seconds(lambda *a: [compiled(*a) for _ in range(calls)], args, calls, 5)
 
 
 def kernel_inputs(x, ids, block_m):
@@ -38,6 +40,32 @@ def kernel_inputs(x, ids, block_m):
                                                                                   TOP_K)
     h = jnp.zeros((route.slot_pair.shape[0], I), jnp.bfloat16)
     return (num_blocks, block_expert, x_row, xs), (num_blocks, block_expert, slot_row, h)
+
+
+def combine_gather_sum(y_slots, slot_pair, on_shard, topk_weights):
+    """The combine before run 11, raced against `int4_moe_mosaic.combine`: gather [M * k, D], then sum over k."""
+    num_tokens, top_k = on_shard.shape
+    pair_rows = jnp.where(slot_pair >= 0, slot_pair, num_tokens * top_k)
+    slot_of_pair = jnp.zeros(num_tokens * top_k, jnp.int32).at[pair_rows].set(
+        jnp.arange(slot_pair.shape[0], dtype=jnp.int32), mode="drop")
+    y_pairs = jnp.where(on_shard.reshape(-1, 1), y_slots[slot_of_pair], 0.0) * topk_weights.reshape(-1, 1)
+    return y_pairs.reshape(num_tokens, top_k, -1).sum(axis=1)
+
+
+def glue_us(x, ids, weights, block_m):
+    """Median us of the XLA parts of the wrapper: the routing sort, all operands (sort + x gather), and the
+    combine in its two forms."""
+    local_ids = ids.reshape(-1).astype(jnp.int32)
+    route = moe.sort_routing(local_ids, E, block_m)
+    y_slots = jax.random.normal(jax.random.PRNGKey(1), (route.slot_pair.shape[0], D), jnp.float32)
+    on_shard = jnp.ones(ids.shape, bool)
+    operands = functools.partial(mosaic.routed_operands, num_experts=E, block_m=block_m, top_k=TOP_K)
+    return dict(sort_us=median_seconds(functools.partial(moe.sort_routing, num_experts=E, block_m=block_m),
+                                       local_ids) * 1e6,
+                operands_us=median_seconds(operands, x, local_ids) * 1e6,
+                combine_us=median_seconds(mosaic.combine, y_slots, route.slot_pair, on_shard, weights) * 1e6,
+                combine_gather_sum_us=median_seconds(combine_gather_sum, y_slots, route.slot_pair, on_shard,
+                                                     weights) * 1e6)
 
 
 def kernels(block_m):
@@ -104,7 +132,8 @@ def main():
                                             weights, *experts) * 1e6,
                    gate_up_us=median_seconds(gate_up, *gate_up_args, *experts[:2]) * 1e6,
                    gate_up_floor_us=floor * 2 / 3 * 1e6,
-                   down_us=median_seconds(down, *down_args, *experts[2:]) * 1e6, down_floor_us=floor / 3 * 1e6)
+                   down_us=median_seconds(down, *down_args, *experts[2:]) * 1e6, down_floor_us=floor / 3 * 1e6,
+                   **glue_us(x, ids, weights, block_m))
         if args.profile:
             params = mosaic.plgpu.CompilerParams
             mosaic.SMEM_BYTES -= 3 * args.ranges * 16  # the profiler's buffers
