@@ -242,7 +242,10 @@ def _pow2_at_least(n):
   return 1 << max(0, (n - 1).bit_length())
 
 
-_SPLIT_OVERHEAD_BLOCKS = 4  # a program's fixed cost (queries in, partial out), in key blocks
+# A program's fixed cost in key blocks: queries in, pipeline fill, its 128 KB partial out and the merge's read
+# of it. 16 makes the model pick every measured race winner of bench_attn_parts runs 7-9 (4 picked 9 splits
+# for the TP-8 verify shape C=8/32K/T=65/H=8, 4-5% slower than 5 in all three runs).
+_SPLIT_OVERHEAD_BLOCKS = 16
 
 
 def choose_num_splits(num_programs, num_key_blocks, resident_programs):

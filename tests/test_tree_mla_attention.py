@@ -206,6 +206,7 @@ def test_cache_stack_is_read_in_place(prefix_kernel):
     (1, 512, 132, 128),
     (520, 512, 132, 1),   # C=8 verify, 65 m blocks: already four waves
     (65, 512, 132, 2),    # C=1 verify: 130 programs, not 3 splits (195: two waves)
+    (72, 512, 132, 5),    # C=8 verify at 8 heads: 3 waves of 103 blocks beat 5 of 57 (fixed cost a program)
     (1, 2, 132, 1),       # a short cache is not split below 4 key blocks a split
 ])
 def test_choose_num_splits_avoids_a_mostly_idle_wave(programs, key_blocks, resident, want):
