@@ -240,27 +240,57 @@ class Routing(NamedTuple):
     slot_pair: jax.Array
 
 
-def sort_routing(local_ids, num_experts, block_m):
-    """local_ids [P] int32 (outside [0, E) = not on this shard) -> Routing padded to block_m multiples.
+def expert_ranks(local_ids, num_experts, chunk=1024):
+    """local_ids [P] int32 (outside [0, E) = not on this shard) -> (counts [E] int32: pairs of each expert,
+    rank [P] int32: pairs q < p with p's expert; off-shard pairs are ranked among themselves).
 
-    Sizes are static: at most P // block_m + min(E, P) blocks, as each touched expert adds < 1 partial block.
+    No sort: per chunk of pairs, one fused compare-and-sum counts the experts and another ranks each pair
+    within its chunk (O(P * (E + chunk)) work), and the chunks' counts are carried by a cumsum. A stable
+    argsort by expert puts pair p at its expert's first position + rank[p], so this is that order.
     """
     num_pairs = local_ids.shape[0]
-    num_blocks = num_pairs // block_m + min(num_experts, num_pairs)
+    chunk = max(1, min(chunk, num_pairs))
+    num_chunks = -(-num_pairs // chunk)
     key = jnp.where((local_ids >= 0) & (local_ids < num_experts), local_ids, num_experts)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    sorted_key = key[order]
-    counts = jnp.bincount(key, length=num_experts + 1)[:num_experts]
-    blocks = (counts + block_m - 1) // block_m
-    block_end = jnp.cumsum(blocks)
-    first_slot = (block_end - blocks) * block_m
-    first_rank = jnp.cumsum(counts) - counts
-    expert = jnp.minimum(sorted_key, num_experts - 1)
-    rank = jnp.arange(num_pairs) - first_rank[expert]
-    slot = jnp.where(sorted_key < num_experts, first_slot[expert] + rank, num_blocks * block_m)
-    slot_pair = jnp.full((num_blocks * block_m,), -1, jnp.int32).at[slot].set(order, mode="drop")
-    block_expert = jnp.sum(block_end[None, :] <= jnp.arange(num_blocks)[:, None], axis=1, dtype=jnp.int32)
-    return Routing(jnp.where(block_expert < num_experts, block_expert, -1), slot_pair)
+    key = jnp.pad(key, (0, num_chunks * chunk - num_pairs), constant_values=num_experts + 1).reshape(num_chunks, chunk)
+    chunk_counts = jnp.sum(key[:, :, None] == jnp.arange(num_experts + 1), axis=1, dtype=jnp.int32)  # [n, E + 1]
+    before = jnp.cumsum(chunk_counts, axis=0) - chunk_counts
+    earlier = jnp.arange(chunk)[None, :] < jnp.arange(chunk)[:, None]  # [p, q]: q before p
+    within = jnp.sum((key[:, :, None] == key[:, None, :]) & earlier, axis=2, dtype=jnp.int32)  # [n, chunk]
+    rank = jnp.take_along_axis(before, jnp.minimum(key, num_experts), axis=1) + within
+    return chunk_counts[:, :num_experts].sum(axis=0), rank.reshape(-1)[:num_pairs]
+
+
+def group_starts(counts, multiple):
+    """[E] first row of each expert's group when the groups follow each other padded to `multiple` rows."""
+    padded = -(-counts // multiple) * multiple
+    return jnp.cumsum(padded) - padded
+
+
+def block_experts(counts, block_m, num_blocks):
+    """[num_blocks] int32: the expert of each block_m-row block of the padded groups, -1 past the last."""
+    block_end = jnp.cumsum(-(-counts // block_m))
+    expert = jnp.sum(block_end[None, :] <= jnp.arange(num_blocks)[:, None], axis=1, dtype=jnp.int32)
+    return jnp.where(expert < counts.shape[0], expert, -1)
+
+
+def max_blocks(num_pairs, num_experts, block_m):
+    """Static bound on the row blocks: each touched expert adds < 1 partial block."""
+    return num_pairs // block_m + min(num_experts, num_pairs)
+
+
+def sort_routing(local_ids, num_experts, block_m, ranks=None):
+    """local_ids [P] int32 (outside [0, E) = not on this shard) -> Routing padded to block_m multiples, pairs of
+    an expert in pair order. ranks: `expert_ranks(local_ids, num_experts)` if the caller has them."""
+    num_pairs = local_ids.shape[0]
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    counts, rank = ranks if ranks is not None else expert_ranks(local_ids, num_experts)
+    on_shard = (local_ids >= 0) & (local_ids < num_experts)
+    expert = jnp.clip(local_ids, 0, num_experts - 1)
+    slot = jnp.where(on_shard, group_starts(counts, block_m)[expert] + rank, num_blocks * block_m)
+    slot_pair = jnp.full((num_blocks * block_m,), -1, jnp.int32).at[slot].set(
+        jnp.arange(num_pairs, dtype=jnp.int32), mode="drop")
+    return Routing(block_experts(counts, block_m, num_blocks), slot_pair)
 
 
 def _block_pairs(block, route_refs, *, per_pair, block_m):

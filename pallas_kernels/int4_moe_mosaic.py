@@ -25,6 +25,7 @@ and two adjacent 128-column slices for down (epilogue: fp32 rows in slot order; 
 (token, expert) pair's row, applies the routing weight and sums the top k).
 """
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,8 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.int4_moe_gemm import PACK, check_args, flatten_layers, sort_routing
+from pallas_kernels.int4_moe_gemm import (PACK, block_experts, check_args, expert_ranks, flatten_layers, group_starts,
+                                          max_blocks)
 from pallas_kernels.mla_prefix_mosaic import tiled_smem
 
 CHUNK = 64  # inputs a wgmma call (one 128-byte swizzle row of bf16)
@@ -217,11 +219,9 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
         my_cols = pl.ds(w * WG_N, WG_N)
 
         def mainloop(j, acc_refs):
-            first_step = j * steps
-
             @pl.loop(0, steps)
             def _step(k):
-                slot = lax.rem(first_step + k, num_stages)
+                slot = lax.rem(j * steps + k, num_stages)
                 with jax.named_scope("wait_full"):
                     plgpu.barrier_wait(full_bars.at[slot])
                 tiles = [w_smem.at[slot, o, :, my_cols].T for o in range(2)]  # [64 cols, 32 words] each
@@ -243,12 +243,9 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
                             a = _dequant_chunk(words[o][:, c * 8:(c + 1) * 8], s_smem.at[slot, o], c, w * WG_N)
                             plgpu.wgmma(acc_ref, a, x_t)
                             plgpu.wgmma_wait(1)
-                        if c == o == 0:  # the previous step's dots are done: free its slot (no drain per step)
-                            pl.when(k > 0)(lambda: plgpu.barrier_arrive(
-                                empty_bars.at[lax.rem(first_step + k - 1, num_stages)]))
+                plgpu.wgmma_wait(0)  # in the step: freeing the slot in the next step's body cost 15-20% (run 11)
+                plgpu.barrier_arrive(empty_bars.at[slot])
 
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(empty_bars.at[lax.rem(first_step + steps - 1, num_stages)])
             return tuple(acc_ref[...] for acc_ref in acc_refs)
 
         @pl.loop(0, my_tiles)
@@ -317,29 +314,27 @@ def _grouped_gemm(num_blocks, block_expert, block_row, x, w, s, out_type, *, gat
     return kernel(num_blocks, block_expert, block_row, x, w, s)
 
 
-def gate_up_rows(local_ids, route, num_experts, block_m, top_k):
+def gate_up_rows(local_ids, counts, rank, block_expert, block_m, top_k):
     """Where gate_up reads its activations: x rows in sorted pair order, each expert's group padded to 8 rows
     (TMA moves whole 8-row tiles and rounds an unaligned start down), not to block_m as the slots of h are.
+    counts, rank: `expert_ranks`; block_expert [num_blocks]: `block_experts`.
 
     Returns token_of_row [R] int32 (the token whose x fills row r, -1 = zero row; R a multiple of 8) and
     block_row [num_blocks] int32 (multiples of 8): block b reads rows block_row[b] .. + block_m, whose valid
     rows are those of its slots. Rows past its expert's pairs are padding or the next expert's; they land in
     padding slots of h and of down's output, which the combine never reads.
     """
-    ceil_to = lambda n, multiple: -(-n // multiple) * multiple
+    num_experts, num_pairs = counts.shape[0], local_ids.shape[0]
     on_shard = (local_ids >= 0) & (local_ids < num_experts)
-    counts = jnp.bincount(jnp.where(on_shard, local_ids, num_experts), length=num_experts + 1)[:num_experts]
-    slot_start = jnp.cumsum(ceil_to(counts, block_m)) - ceil_to(counts, block_m)
-    row_start = jnp.cumsum(ceil_to(counts, 8)) - ceil_to(counts, 8)
-    expert = jnp.repeat(route.block_expert, block_m)
-    shift = jnp.where(expert >= 0, row_start[expert] - slot_start[expert], 0)  # row - slot, per slot
-    num_pairs = local_ids.shape[0]
-    num_rows = ceil_to(num_pairs + 8 * min(num_experts, num_pairs) + block_m, 8)
-    slots = jnp.arange(route.slot_pair.shape[0])
-    token_of_row = jnp.full(num_rows, -1, jnp.int32).at[
-        jnp.where(route.slot_pair >= 0, slots + shift, num_rows)].set(route.slot_pair // top_k, mode="drop")
-    block_row = slots[::block_m] + shift[::block_m]
-    return token_of_row, block_row.astype(jnp.int32)
+    slot_start, row_start = group_starts(counts, block_m), group_starts(counts, 8)
+    num_rows = -(-(num_pairs + 8 * min(num_experts, num_pairs) + block_m) // 8) * 8
+    row = jnp.where(on_shard, row_start[jnp.clip(local_ids, 0, num_experts - 1)] + rank, num_rows)
+    token_of_row = jnp.full(num_rows, -1, jnp.int32).at[row].set(jnp.arange(num_pairs, dtype=jnp.int32) // top_k,
+                                                                 mode="drop")
+    expert = jnp.maximum(block_expert, 0)
+    first_slot = jnp.arange(block_expert.shape[0], dtype=jnp.int32) * block_m
+    block_row = first_slot + jnp.where(block_expert >= 0, row_start[expert] - slot_start[expert], 0)
+    return token_of_row, block_row
 
 
 def default_num_sms():
@@ -348,18 +343,29 @@ def default_num_sms():
     return getattr(device, "core_count", 132) if device.platform == "gpu" else 132
 
 
+class RoutedOperands(NamedTuple):
+    """What the two kernels read besides the weights (NB = `max_blocks` row blocks, the used ones first)."""
+    num_blocks: jax.Array  # [1] int32: used row blocks
+    block_expert: jax.Array  # [NB] int32: row of the weight stack each block multiplies (-1 = unused)
+    x_row: jax.Array  # [NB] int32: first row of xs gate_up reads for each block (`gate_up_rows`)
+    xs: jax.Array  # [R, D] bf16: x rows in sorted pair order, P1-permuted
+    slot_row: jax.Array  # [NB] int32: first slot (row of h and of down's output) of each block
+    pair_slot: jax.Array  # [P] int32: the slot of each pair (-1 for pairs off this shard)
+
+
 def routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset=0):
-    """What the two kernels read besides the weights, from local expert ids [P] (outside [0, E) = off-shard):
-    the routing, the number of used row blocks [1] (they come first), each block's expert row in the weight
-    stack (+ stack_offset), gate_up's x windows (`gate_up_rows`) and the P1-permuted x rows, and down's rows of
-    h (slot order). Returns (route, num_blocks, block_expert, x_row, xs, slot_row)."""
-    route = sort_routing(local_ids, num_experts, block_m)
-    num_blocks = jnp.sum(route.block_expert >= 0, dtype=jnp.int32)[None]
-    block_expert = jnp.where(route.block_expert >= 0, route.block_expert + stack_offset, -1)
-    token_of_row, x_row = gate_up_rows(local_ids, route, num_experts, block_m, top_k)
+    """RoutedOperands for local expert ids [P] (outside [0, E) = off-shard); block_expert is offset by
+    stack_offset (the layer's first row in a stack of layers)."""
+    counts, rank = expert_ranks(local_ids, num_experts)
+    num_blocks_max = max_blocks(local_ids.shape[0], num_experts, block_m)
+    block_expert = block_experts(counts, block_m, num_blocks_max)
+    num_blocks = jnp.sum(block_expert >= 0, dtype=jnp.int32)[None]
+    token_of_row, x_row = gate_up_rows(local_ids, counts, rank, block_expert, block_m, top_k)
     xs = jnp.where(token_of_row[:, None] >= 0, to_p1_order(x)[jnp.maximum(token_of_row, 0)], 0)
-    slot_row = jnp.arange(route.block_expert.shape[0], dtype=jnp.int32) * block_m
-    return route, num_blocks, block_expert, x_row, xs, slot_row
+    on_shard = (local_ids >= 0) & (local_ids < num_experts)
+    pair_slot = jnp.where(on_shard, group_starts(counts, block_m)[jnp.clip(local_ids, 0, num_experts - 1)] + rank, -1)
+    return RoutedOperands(num_blocks, jnp.where(block_expert >= 0, block_expert + stack_offset, -1), x_row, xs,
+                          jnp.arange(num_blocks_max, dtype=jnp.int32) * block_m, pair_slot)
 
 
 @functools.partial(jax.jit, static_argnames=["block_m", "out_dtype", "interpret", "num_sms"])
@@ -367,7 +373,7 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
                      block_m=32, out_dtype=None, interpret=False, layer=None, num_sms=None):
     """Mosaic GPU fused MoE with the contract of `int4_moe_gemm.fused_moe_reference` (bf16 x only).
 
-    Routing in XLA as the Triton path does (pairs sorted by expert, each group padded to block_m rows for h);
+    Routing in XLA (`expert_ranks`: pairs grouped by expert without a sort, each group padded to block_m slots);
     the activations are gathered in sorted pair order and P1-permuted, the gate_up epilogue writes h
     P1-permuted, and the routing weights and the top-k sum are applied in fp32 by the combine.
     layer: weights stacked per layer ([n, E, ...]), indexed in place. block_m: 16, 32 or 64 rows a block.
@@ -384,28 +390,21 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
         raise ValueError(f"D={d} must be a multiple of {2 * TILE_N} and I={i} of {stage_inputs}")
     num_tokens, top_k = topk_ids.shape
     local_ids = topk_ids.reshape(-1).astype(jnp.int32) - expert_offset
-    route, num_blocks, block_expert, x_row, xs, slot_row = routed_operands(x, local_ids, num_experts, block_m,
-                                                                           top_k, stack_offset)
+    ops = routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset)
     common = dict(block_m=block_m, num_sms=num_sms or default_num_sms(), interpret=interpret)
-    num_slots = route.slot_pair.shape[0]
-    h = _grouped_gemm(num_blocks, block_expert, x_row, xs, *weights[:2],
+    num_slots = ops.slot_row.shape[0] * block_m
+    h = _grouped_gemm(ops.num_blocks, ops.block_expert, ops.x_row, ops.xs, *weights[:2],
                       jax.ShapeDtypeStruct((num_slots, i), x.dtype), gate_up=True, **common)
-    y_slots = _grouped_gemm(num_blocks, block_expert, slot_row, h, *weights[2:],
+    y_slots = _grouped_gemm(ops.num_blocks, ops.block_expert, ops.slot_row, h, *weights[2:],
                             jax.ShapeDtypeStruct((num_slots, d), jnp.float32), gate_up=False, **common)
-    on_shard = ((local_ids >= 0) & (local_ids < num_experts)).reshape(num_tokens, top_k)
-    return combine(y_slots, route.slot_pair, on_shard, topk_weights).astype(out_dtype or x.dtype)
+    return combine(y_slots, ops.pair_slot.reshape(num_tokens, top_k), topk_weights).astype(out_dtype or x.dtype)
 
 
-def combine(y_slots, slot_pair, on_shard, topk_weights):
-    """Down's rows in slot order y_slots [slots, D] f32, slot_pair [slots] (-1 = padding), on_shard [M, k] bool
-    -> y [M, D] f32: per token, the sum over its top k of the routing weight times its pair's row (0 off this
-    shard). One elementwise pass over k gathered rows a token (no [M * k, D] intermediate)."""
-    num_tokens, top_k = on_shard.shape
-    num_pairs = num_tokens * top_k
-    pair_rows = jnp.where(slot_pair >= 0, slot_pair, num_pairs)
-    slot_of_pair = jnp.zeros(num_pairs, jnp.int32).at[pair_rows].set(
-        jnp.arange(slot_pair.shape[0], dtype=jnp.int32), mode="drop").reshape(num_tokens, top_k)
+def combine(y_slots, pair_slot, topk_weights):
+    """Down's rows in slot order y_slots [slots, D] f32, each pair's slot pair_slot [M, k] (-1 = off this shard)
+    -> y [M, D] f32: per token, the sum over its top k of the routing weight times its pair's row. One
+    elementwise pass over k gathered rows a token (no [M * k, D] intermediate)."""
     weights = topk_weights.astype(jnp.float32)
-    terms = [jnp.where(on_shard[:, j:j + 1], weights[:, j:j + 1] * y_slots[slot_of_pair[:, j]], 0.0)
-             for j in range(top_k)]
+    terms = [jnp.where(pair_slot[:, j:j + 1] >= 0, weights[:, j:j + 1] * y_slots[jnp.maximum(pair_slot[:, j], 0)], 0.0)
+             for j in range(pair_slot.shape[1])]
     return functools.reduce(jnp.add, terms)

@@ -1,7 +1,7 @@
 """Where the time of pallas_kernels/int4_moe_mosaic goes, at K2.6 shapes (384 experts, top-8) on the GPU.
 
 For each M: the wrapper against the Triton default, each kernel alone (gate_up, down) on the wrapper's own
-inputs, the XLA parts (routing sort, operands, combine), and the floors (gate_up streams 2/3 of the touched bytes, down 1/3). With --profile: Mosaic's
+inputs, the XLA parts (pair ranks, operands, combine), and the floors (gate_up streams 2/3 of the touched bytes, down 1/3). With --profile: Mosaic's
 profiler over the first `--ranges` named-scope ranges of every warpgroup (kernel named scopes: the memory
 warpgroup's `wait_empty`, the compute warpgroups' `wait_full` and `epilogue`), summed per warpgroup.
 
@@ -36,36 +36,21 @@ def median_seconds(fn, *args, calls=20):
 
 def kernel_inputs(x, ids, block_m):
     """The two kernels' operands as fused_moe_mosaic builds them (h for down: zeros of its shape)."""
-    route, num_blocks, block_expert, x_row, xs, slot_row = mosaic.routed_operands(x, ids.reshape(-1), E, block_m,
-                                                                                  TOP_K)
-    h = jnp.zeros((route.slot_pair.shape[0], I), jnp.bfloat16)
-    return (num_blocks, block_expert, x_row, xs), (num_blocks, block_expert, slot_row, h)
-
-
-def combine_gather_sum(y_slots, slot_pair, on_shard, topk_weights):
-    """The combine before run 11, raced against `int4_moe_mosaic.combine`: gather [M * k, D], then sum over k."""
-    num_tokens, top_k = on_shard.shape
-    pair_rows = jnp.where(slot_pair >= 0, slot_pair, num_tokens * top_k)
-    slot_of_pair = jnp.zeros(num_tokens * top_k, jnp.int32).at[pair_rows].set(
-        jnp.arange(slot_pair.shape[0], dtype=jnp.int32), mode="drop")
-    y_pairs = jnp.where(on_shard.reshape(-1, 1), y_slots[slot_of_pair], 0.0) * topk_weights.reshape(-1, 1)
-    return y_pairs.reshape(num_tokens, top_k, -1).sum(axis=1)
+    ops = mosaic.routed_operands(x, ids.reshape(-1), E, block_m, TOP_K)
+    h = jnp.zeros((ops.slot_row.shape[0] * block_m, I), jnp.bfloat16)
+    return (ops.num_blocks, ops.block_expert, ops.x_row, ops.xs), (ops.num_blocks, ops.block_expert, ops.slot_row, h)
 
 
 def glue_us(x, ids, weights, block_m):
-    """Median us of the XLA parts of the wrapper: the routing sort, all operands (sort + x gather), and the
-    combine in its two forms."""
+    """Median us of the XLA parts of the wrapper: the pair ranks, all operands (ranks, x gather) and the
+    combine."""
     local_ids = ids.reshape(-1).astype(jnp.int32)
-    route = moe.sort_routing(local_ids, E, block_m)
-    y_slots = jax.random.normal(jax.random.PRNGKey(1), (route.slot_pair.shape[0], D), jnp.float32)
-    on_shard = jnp.ones(ids.shape, bool)
-    operands = functools.partial(mosaic.routed_operands, num_experts=E, block_m=block_m, top_k=TOP_K)
-    return dict(sort_us=median_seconds(functools.partial(moe.sort_routing, num_experts=E, block_m=block_m),
-                                       local_ids) * 1e6,
-                operands_us=median_seconds(operands, x, local_ids) * 1e6,
-                combine_us=median_seconds(mosaic.combine, y_slots, route.slot_pair, on_shard, weights) * 1e6,
-                combine_gather_sum_us=median_seconds(combine_gather_sum, y_slots, route.slot_pair, on_shard,
-                                                     weights) * 1e6)
+    ops = mosaic.routed_operands(x, local_ids, E, block_m, TOP_K)
+    y_slots = jax.random.normal(jax.random.PRNGKey(1), (ops.slot_row.shape[0] * block_m, D), jnp.float32)
+    return dict(ranks_us=median_seconds(functools.partial(moe.expert_ranks, num_experts=E), local_ids) * 1e6,
+                operands_us=median_seconds(functools.partial(mosaic.routed_operands, num_experts=E, block_m=block_m,
+                                                             top_k=TOP_K), x, local_ids) * 1e6,
+                combine_us=median_seconds(mosaic.combine, y_slots, ops.pair_slot.reshape(ids.shape), weights) * 1e6)
 
 
 def kernels(block_m):

@@ -109,6 +109,20 @@ def test_sort_routing_pads_every_group_to_block_multiples():
             assert (rows >= 0).any() and (local[rows[rows >= 0]] == expert).all()
     used = block_expert[block_expert >= 0]
     assert (np.diff(used) >= 0).all() and (block_expert[len(used):] < 0).all()  # sorted, unused blocks last
+    assert all((np.diff(rows[rows >= 0]) > 0).all() for rows in slot_pair.reshape(-1, block_m))  # pair order
+
+
+@pytest.mark.parametrize("num_pairs,chunk", [(0, 1024), (1, 1024), (7, 1024), (300, 64), (2500, 1024)])
+def test_expert_ranks_are_a_stable_argsort_by_expert(num_pairs, chunk):
+    """Counts and ranks without a sort, across chunk boundaries and ragged last chunks, against numpy."""
+    local = np.random.default_rng(num_pairs).integers(-2, 10, num_pairs).astype(np.int32)  # 8 experts
+    counts, rank = jax.jit(moe.expert_ranks, static_argnums=(1, 2))(jnp.asarray(local), 8, chunk)
+    key = np.where((local >= 0) & (local < 8), local, 8)
+    order = np.argsort(key, kind="stable")
+    want_rank = np.empty(num_pairs, np.int64)
+    want_rank[order] = np.arange(num_pairs) - np.searchsorted(key[order], key[order])
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(key, minlength=9)[:8])
+    np.testing.assert_array_equal(np.asarray(rank), want_rank)
 
 
 def test_fit_tiling_divides_dims_and_rejects_what_cannot():

@@ -134,8 +134,15 @@ def test_gate_up_rows_are_tile_aligned_and_hold_each_slots_token(num_tokens, blo
     window must start at a multiple of 8, and row block_row[b] + r must hold the token of slot b * block_m + r."""
     ids, _ = random_routing(num_tokens, num_tokens, 4, 10)  # 8 local experts, ids 8 and 9 off-shard
     local_ids = ids.reshape(-1)
-    route = moe.sort_routing(local_ids, 8, block_m)
-    token_of_row, block_row = (np.asarray(a) for a in mosaic.gate_up_rows(local_ids, route, 8, block_m, 4))
+    ranks = moe.expert_ranks(local_ids, 8)
+    route = moe.sort_routing(local_ids, 8, block_m, ranks)
+    token_of_row, block_row = (np.asarray(a) for a in mosaic.gate_up_rows(local_ids, *ranks, route.block_expert,
+                                                                          block_m, 4))
+    pair_slot = np.asarray(mosaic.routed_operands(jnp.zeros((num_tokens, 256), jnp.bfloat16), local_ids, 8,
+                                                  block_m, 4).pair_slot)
+    slots = np.flatnonzero(np.asarray(route.slot_pair) >= 0)
+    np.testing.assert_array_equal(pair_slot[np.asarray(route.slot_pair)[slots]], slots)  # the combine's rows
+    assert np.all(pair_slot[np.asarray(local_ids) >= 8] == -1)
     used = np.asarray(route.block_expert) >= 0
     assert token_of_row.shape[0] % 8 == 0 and np.all(block_row[used] % 8 == 0)
     slot_pair = np.asarray(route.slot_pair).reshape(-1, block_m)
