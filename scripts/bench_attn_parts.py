@@ -19,7 +19,8 @@ from scripts.bench_verify_attn import (SCALE, compile_all, make_input_sets, meas
                                        seconds_per_call)
 
 POINTS = {  # (C, S, T, H): split counts to race besides the wrapper's choice
-    (8, 32768, 65, 8): (3, 5, 7, 12),
+    (8, 32768, 65, 8): (3, 7, 9, 12),
+    (16, 8192, 129, 8): (3, 4),
     (8, 32768, 1, 64): (8, 12, 20),
     (8, 32768, 65, 64): (),
     (1, 8192, 65, 64): (1, 3, 4),
