@@ -196,7 +196,7 @@ def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
     return Tiling(block_m=64, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True, dequant=dequant)
 
 
-MOSAIC_MIN_TOKENS = 64  # from here on the Mosaic GPU kernels won every race (bench/moe_gemm.md, Mosaic run)
+MOSAIC_MIN_TOKENS = 8  # from here on the Mosaic GPU kernels won every race (bench/moe_gemm.md, runs 10 and 12)
 
 
 def mosaic_block_m(num_tokens, dtype, d, i, interpret=False):
@@ -240,12 +240,20 @@ class Routing(NamedTuple):
     slot_pair: jax.Array
 
 
+def exclusive_prefix_sum(values):
+    """values [n, ...] -> [n, ...]: at i the sum of values[:i], as one fused compare-and-sum over [n, n, ...]
+    (XLA turns jnp.cumsum into a blocked scan of several kernels, each a launch on the GPU)."""
+    n = values.shape[0]
+    before = (jnp.arange(n)[None, :] < jnp.arange(n)[:, None]).reshape(n, n, *[1] * (values.ndim - 1))
+    return jnp.sum(jnp.where(before, values[None], 0), axis=1, dtype=values.dtype)
+
+
 def expert_ranks(local_ids, num_experts, chunk=1024):
     """local_ids [P] int32 (outside [0, E) = not on this shard) -> (counts [E] int32: pairs of each expert,
     rank [P] int32: pairs q < p with p's expert; off-shard pairs are ranked among themselves).
 
     No sort: per chunk of pairs, one fused compare-and-sum counts the experts and another ranks each pair
-    within its chunk (O(P * (E + chunk)) work), and the chunks' counts are carried by a cumsum. A stable
+    within its chunk (O(P * (E + chunk)) work), and the chunks' counts are carried by a prefix sum. A stable
     argsort by expert puts pair p at its expert's first position + rank[p], so this is that order.
     """
     num_pairs = local_ids.shape[0]
@@ -254,7 +262,7 @@ def expert_ranks(local_ids, num_experts, chunk=1024):
     key = jnp.where((local_ids >= 0) & (local_ids < num_experts), local_ids, num_experts)
     key = jnp.pad(key, (0, num_chunks * chunk - num_pairs), constant_values=num_experts + 1).reshape(num_chunks, chunk)
     chunk_counts = jnp.sum(key[:, :, None] == jnp.arange(num_experts + 1), axis=1, dtype=jnp.int32)  # [n, E + 1]
-    before = jnp.cumsum(chunk_counts, axis=0) - chunk_counts
+    before = exclusive_prefix_sum(chunk_counts)
     earlier = jnp.arange(chunk)[None, :] < jnp.arange(chunk)[:, None]  # [p, q]: q before p
     within = jnp.sum((key[:, :, None] == key[:, None, :]) & earlier, axis=2, dtype=jnp.int32)  # [n, chunk]
     rank = jnp.take_along_axis(before, jnp.minimum(key, num_experts), axis=1) + within
@@ -263,13 +271,13 @@ def expert_ranks(local_ids, num_experts, chunk=1024):
 
 def group_starts(counts, multiple):
     """[E] first row of each expert's group when the groups follow each other padded to `multiple` rows."""
-    padded = -(-counts // multiple) * multiple
-    return jnp.cumsum(padded) - padded
+    return exclusive_prefix_sum(-(-counts // multiple) * multiple)
 
 
 def block_experts(counts, block_m, num_blocks):
     """[num_blocks] int32: the expert of each block_m-row block of the padded groups, -1 past the last."""
-    block_end = jnp.cumsum(-(-counts // block_m))
+    blocks = -(-counts // block_m)
+    block_end = exclusive_prefix_sum(blocks) + blocks
     expert = jnp.sum(block_end[None, :] <= jnp.arange(num_blocks)[:, None], axis=1, dtype=jnp.int32)
     return jnp.where(expert < counts.shape[0], expert, -1)
 

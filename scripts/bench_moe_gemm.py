@@ -1,7 +1,7 @@
 """Benchmark pallas_kernels.int4_moe_gemm.fused_moe at K2.6 shapes against its memory/compute floor.
 
 Rows: Triton tilings (int4_moe_gemm) and the Mosaic GPU kernels (int4_moe_mosaic, "mosaic_m<block_m>"); "*" marks
-the wrapper's default (tiling=None), which is the Mosaic kernels for bf16 M >= 64.
+the wrapper's default (tiling=None), which is the Mosaic kernels for bf16 M >= 8.
 
 K2.6 MoE layer: 384 experts, top-8, D=7168, I=2048, uniform random routing. For each M it reports the time,
 touched-expert bytes (packed + scales), FLOPs, floor = max(bytes / copy ceiling, FLOPs / matmul ceiling) with
@@ -83,6 +83,9 @@ SWAP_RACE = {  # run 8: swapped-operand (wgmma) candidates against the current d
 }
 MOSAIC = {"mosaic_m16": 16, "mosaic_m32": 32, "mosaic_m64": 64}  # int4_moe_mosaic.fused_moe_mosaic, block_m
 MOSAIC_RACE = {  # the Mosaic GPU kernels against the Triton defaults
+    1: ("pair_n64", "mosaic_m16"),
+    2: ("pair_n64", "mosaic_m16"),
+    4: ("pair_n64", "mosaic_m16"),
     8: ("m16_n64_nf", "mosaic_m16"),
     16: ("m16_n64_nf", "mosaic_m16"),
     32: ("m16_n64_nf", "mosaic_m16"),
