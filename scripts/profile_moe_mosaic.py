@@ -1,9 +1,10 @@
 """Where the time of pallas_kernels/int4_moe_mosaic goes, at K2.6 shapes (384 experts, top-8) on the GPU.
 
 For each M: the wrapper against the Triton default, each kernel alone (gate_up, down) on the wrapper's own
-inputs, the XLA parts (pair ranks, operands, combine), and the floors (gate_up streams 2/3 of the touched bytes, down 1/3). With --profile: Mosaic's
-profiler over the first `--ranges` named-scope ranges of every warpgroup (kernel named scopes: the memory
-warpgroup's `wait_empty`, the compute warpgroups' `wait_full` and `epilogue`), summed per warpgroup.
+inputs, the XLA parts (pair ranks, operands, combine), and the floors (gate_up streams 2/3 of the touched
+bytes, down 1/3). With --profile: Mosaic's profiler over the first `--ranges` named-scope ranges of every
+warpgroup (kernel named scopes: the memory warpgroup's `wait_empty`, the compute warpgroups' `wait_full` and
+`epilogue`), summed per warpgroup.
 
 GPU:  PYTHONPATH=. python3 scripts/profile_moe_mosaic.py --out $OUT/moe_mosaic_parts.json --commit SHA [--profile]
 """
