@@ -274,6 +274,15 @@ def group_starts(counts, multiple):
     return exclusive_prefix_sum(-(-counts // multiple) * multiple)
 
 
+def pair_rows(local_ids, counts, rank, multiple, off_shard):
+    """[P] int32: the row of each pair when the experts' groups follow each other padded to `multiple` rows
+    (its group's first row + its rank), `off_shard` for pairs outside [0, E). counts, rank: `expert_ranks`."""
+    num_experts = counts.shape[0]
+    on_shard = (local_ids >= 0) & (local_ids < num_experts)
+    first = group_starts(counts, multiple)[jnp.clip(local_ids, 0, num_experts - 1)]
+    return jnp.where(on_shard, first + rank, off_shard)
+
+
 def block_experts(counts, block_m, num_blocks):
     """[num_blocks] int32: the expert of each block_m-row block of the padded groups, -1 past the last."""
     blocks = -(-counts // block_m)
@@ -287,15 +296,13 @@ def max_blocks(num_pairs, num_experts, block_m):
     return num_pairs // block_m + min(num_experts, num_pairs)
 
 
-def sort_routing(local_ids, num_experts, block_m, ranks=None):
+def sort_routing(local_ids, num_experts, block_m):
     """local_ids [P] int32 (outside [0, E) = not on this shard) -> Routing padded to block_m multiples, pairs of
-    an expert in pair order. ranks: `expert_ranks(local_ids, num_experts)` if the caller has them."""
+    an expert in pair order."""
     num_pairs = local_ids.shape[0]
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
-    counts, rank = ranks if ranks is not None else expert_ranks(local_ids, num_experts)
-    on_shard = (local_ids >= 0) & (local_ids < num_experts)
-    expert = jnp.clip(local_ids, 0, num_experts - 1)
-    slot = jnp.where(on_shard, group_starts(counts, block_m)[expert] + rank, num_blocks * block_m)
+    counts, rank = expert_ranks(local_ids, num_experts)
+    slot = pair_rows(local_ids, counts, rank, block_m, num_blocks * block_m)
     slot_pair = jnp.full((num_blocks * block_m,), -1, jnp.int32).at[slot].set(
         jnp.arange(num_pairs, dtype=jnp.int32), mode="drop")
     return Routing(block_experts(counts, block_m, num_blocks), slot_pair)
@@ -476,8 +483,8 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
     inside the whole stack (viewed as [n*E, ...], a free reshape), so no per-layer copy of the experts is
     made, as slicing the stack in front of the custom call would.
     """
-    block_m = mosaic_block_m(topk_ids.shape[0], x.dtype, x.shape[-1], w13_packed.shape[-1], interpret)
-    if tiling is None and block_m:
+    if tiling is None and (block_m := mosaic_block_m(topk_ids.shape[0], x.dtype, x.shape[-1], w13_packed.shape[-1],
+                                                     interpret)):
         from pallas_kernels import int4_moe_mosaic  # imports this module
         return int4_moe_mosaic.fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
                                                 w2_scale, expert_offset=expert_offset, block_m=block_m,

@@ -135,7 +135,7 @@ def test_gate_up_rows_are_tile_aligned_and_hold_each_slots_token(num_tokens, blo
     ids, _ = random_routing(num_tokens, num_tokens, 4, 10)  # 8 local experts, ids 8 and 9 off-shard
     local_ids = ids.reshape(-1)
     ranks = moe.expert_ranks(local_ids, 8)
-    route = moe.sort_routing(local_ids, 8, block_m, ranks)
+    route = moe.sort_routing(local_ids, 8, block_m)
     token_of_row, block_row = (np.asarray(a) for a in mosaic.gate_up_rows(local_ids, *ranks, route.block_expert,
                                                                           block_m, 4))
     pair_slot = np.asarray(mosaic.routed_operands(jnp.zeros((num_tokens, 256), jnp.bfloat16), local_ids, 8,
