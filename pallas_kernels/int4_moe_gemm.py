@@ -471,7 +471,7 @@ def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps
 
 
 def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset=0,
-              tiling=None, out_dtype=None, interpret=False, layer=None):
+              tiling=None, out_dtype=None, pair_rows_fp32=False, interpret=False, layer=None):
     """Pallas-Triton fused MoE with the contract of `fused_moe_reference`.
 
     Routing metadata in XLA (pairs sorted by expert and padded to block_m rows, or one pair per block when
@@ -482,13 +482,16 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
     layer (may be traced): the weights are stacked per layer ([n, E, ...]); the kernels index layer `layer`
     inside the whole stack (viewed as [n*E, ...], a free reshape), so no per-layer copy of the experts is
     made, as slicing the stack in front of the custom call would.
+    pair_rows_fp32: the Mosaic kernels round each (token, expert) pair's down output to bf16 before the
+    weighted top-k sum (as transformers does) unless this is set (partial sums over a split I); the Triton
+    kernels keep fp32 rows either way.
     """
     if tiling is None and (block_m := mosaic_block_m(topk_ids.shape[0], x.dtype, x.shape[-1], w13_packed.shape[-1],
                                                      interpret)):
         from pallas_kernels import int4_moe_mosaic  # imports this module
         return int4_moe_mosaic.fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
                                                 w2_scale, expert_offset=expert_offset, block_m=block_m,
-                                                out_dtype=out_dtype, layer=layer)
+                                                out_dtype=out_dtype, pair_rows_fp32=pair_rows_fp32, layer=layer)
     weights, num_experts, stack_offset = flatten_layers((w13_packed, w13_scale, w2_packed, w2_scale), layer)
     w13_packed, w13_scale, w2_packed, w2_scale = weights
     check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
@@ -576,7 +579,7 @@ def fused_moe_sharded(mesh, *, axis="model", mode="ep", impl="pallas", interpret
         weights = (w13_packed, w13_scale, w2_packed, w2_scale)
         if impl == "pallas":
             y = fused_moe(x, topk_ids, topk_weights, *weights, expert_offset=offset, tiling=tiling,
-                          out_dtype=jnp.float32, interpret=interpret, layer=layer)
+                          out_dtype=jnp.float32, pair_rows_fp32=mode == "tp", interpret=interpret, layer=layer)
         else:
             y = fused_moe_reference(x, topk_ids, topk_weights, *weights, expert_offset=offset,
                                     out_dtype=jnp.float32, layer=layer)

@@ -7,24 +7,31 @@ they either dequantize twice or run two CTAs an SM, and fall to 55-70% of the fl
 its pipeline:
 
   persistent CTAs walk the tiles (row block b, N tile n) of the sorted routing;
-  warpgroup 2 streams, per K stage of 256 inputs: two [32 words, 128 cols] int32 weight tiles, their
+  warpgroup 4 streams, per K stage of 256 inputs: two [32 words, 128 cols] int32 weight tiles, their
     [8 groups, 128] bf16 scales and the block's 4 x [block_m, 64] activations, through an S-stage TMA ring
     that runs on across tiles;
-  warpgroups 0 and 1 each take 64 of the 128 columns: load the words transposed ([64 cols, 32 words], each
-    thread holding rows r, r+8 and words 2q, 2q+1 of every 8), dequantize a 64-input chunk into the bf16
-    wgmma A fragment [64 cols, 64 inputs] with PTX (lop3 / sub / mul, bf16(q * scale) rounded once), and
-    issue wgmma against the activations.
+  warpgroups 0-3 each take 64 columns of one of the two tiles: load the words transposed ([64 cols, 32
+    words], each thread holding rows r, r+8 and words 2q, 2q+1 of every 8), dequantize a 64-input chunk into
+    the bf16 wgmma A fragment [64 cols, 64 inputs] with PTX (lop3 / sub / mul, bf16(q * scale) rounded
+    once), and issue wgmma against the activations. Four of them, not two with both tiles each: the loop is
+    bound by the latency of the dequant and of the register-fed wgmma, which two warps a scheduler hid
+    poorly (bench/moe_gemm.md, run 15).
 
 The A fragment of thread (row r, quad lane q) covers inputs k = 16i + 8e + 2q + h of a chunk (k16 step i,
 half e, pair h). The nibbles a thread holds are inputs 8 * (2q + e) + j of its two words, so wgmma column k
 is fed physical input P1[k] = 16q + 8e + 4h + i: (nibble i, nibble i + 4) of word 2q + e is one bf16x2
 register. The activations are permuted the same way (`to_p1_order`), so the product is unchanged.
 
-The two weight tiles are (gate, up) of one 128-column slice for gate_up (epilogue silu(gate) * up -> h, bf16)
-and two adjacent 128-column slices for down (epilogue: fp32 rows in slot order; the caller gathers each
-(token, expert) pair's row, applies the routing weight and sums the top k).
+The two weight tiles are (gate, up) of one 128-column slice for gate_up (epilogue: each up warpgroup hands its
+accumulator to the gate warpgroup of its columns through shared memory, which writes silu(gate) * up -> h,
+bf16) and two adjacent 128-column slices for down (epilogue: bf16 rows in slot order, each (token, expert)
+pair's expert output rounded once, as transformers' DeepseekV3MoE rounds `expert(x)`, or fp32 rows for partial
+sums over a split intermediate dim; the caller gathers each
+pair's row, applies the routing weight and sums the top k in fp32). fp32 rows measured 16% slower in down at
+M = 1024: twice the bytes, and a staging buffer that leaves room for 3 pipeline stages instead of 4.
 """
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -32,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref
+from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental import pallas as pl
@@ -48,6 +55,11 @@ STAGE_CHUNKS = STAGE_WORDS * PACK // CHUNK
 TILE_N = 128  # columns a TMA weight tile; each compute warpgroup takes 64
 WG_N = 64
 NUM_COPIES = 2 + 2 + STAGE_CHUNKS  # TMA copies arriving on a stage's barrier: weights, scales, activations
+NUM_COMPUTE = 4  # compute warpgroups (0-3); warpgroup 4 streams
+# Registers a thread: ptxas gives every thread of the CTA LAUNCH_REGISTERS, and setmaxnreg only moves them
+# between warpgroups (an increase that the decreases do not cover waits forever).
+LAUNCH_REGISTERS = 65536 // (128 * (NUM_COMPUTE + 1)) // 8 * 8
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 112, 24
 SMEM_BYTES = 227 * 1024
 
 
@@ -157,11 +169,50 @@ def _store_transposed(acc, out_ref, p1_order):
     store(acc, out_ref)
 
 
+def _stash(acc, ref):
+    """acc f32 [64, bm] (WGMMA layout) -> ref f32 [bm / 4, 256]: register i of thread t at [i, 2t : 2t + 2], read
+    back by `_unstash` in any warpgroup (conflict-free, no layout change)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(_, acc, ref):
+        index = ir.IndexType.get()
+        col = arith.muli(arith.remui(mgpu_utils.thread_idx(), arith.constant(ir.IntegerType.get_signless(32), 128)),
+                         arith.constant(ir.IntegerType.get_signless(32), 2))
+        col = arith.index_cast(index, col)
+        for i, reg in enumerate(acc.registers.flat):
+            vector.store(reg, ref, [arith.constant(index, i), col])
+
+    store(acc, ref)
+
+
+def _unstash(ref, block_m):
+    """The inverse of `_stash`: ref f32 [bm / 4, 256] -> f32 [64, bm] in WGMMA layout."""
+    shape = (64, block_m)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, plgpu.Layout.WGMMA))
+    def load(_, ref):
+        index, f32x2 = ir.IndexType.get(), ir.VectorType.get((2,), ir.F32Type.get())
+        col = arith.muli(arith.remui(mgpu_utils.thread_idx(), arith.constant(ir.IntegerType.get_signless(32), 128)),
+                         arith.constant(ir.IntegerType.get_signless(32), 2))
+        col = arith.index_cast(index, col)
+        regs = np.empty(mgpu_fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
+        for i in range(regs.size):
+            regs.flat[i] = vector.load(f32x2, ref, [arith.constant(index, i), col])
+        return mgpu_fa.FragmentedArray(_registers=regs, _layout=mgpu_fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return load(ref)
+
+
 def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref, out_ref, w_smem, s_smem, x_smem,
-            a_smem, out_smem, full_bars, empty_bars, *, gate_up, block_m, num_stages, interpret):
+            a_smem, out_smem, up_smem, full_bars, empty_bars, up_full_bars, up_empty_bars, *, gate_up, block_m,
+            num_stages, interpret):
     """Both GEMMs. x [rows, K] bf16 (P1-permuted); row block b reads x rows block_row[b] .. + block_m.
     gate_up: w [E, K/8, 2, N] int32, s [E, K/32, 2, N] bf16, out h [rows, N] bf16 (rows in slot order);
-    down: w [E, K/8, N], s [E, K/32, N], out y [rows, N] f32. Output rows are slots: b * block_m + [0, block_m)."""
+    down: w [E, K/8, N], s [E, K/32, N], out y [rows, N] (rows in slot order). Output rows are slots:
+    b * block_m + [0, block_m). Compute warpgroup w multiplies weight tile w // 2 (gate / up, or the first /
+    second 128 columns), columns (w % 2) * 64 + [0, 64); gate_up's up warpgroups hand their accumulator to the
+    gate warpgroup of the same columns through up_smem."""
     sm, wg, num_sms = lax.axis_index("sm"), lax.axis_index("wg"), lax.axis_size("sm")
     cols_per_tile = 2 * TILE_N if not gate_up else TILE_N
     num_n_tiles = out_ref.shape[1] // cols_per_tile
@@ -174,9 +225,9 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
         t = sm + j * num_sms
         return lax.div(t, num_n_tiles), lax.rem(t, num_n_tiles)
 
-    @pl.when(wg == 2)
+    @pl.when(wg == NUM_COMPUTE)
     def _memory_warpgroup():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
         @pl.loop(0, my_tiles)
         def _tile(j):
@@ -215,70 +266,75 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
             plgpu.barrier_wait(empty_bars.at[lax.rem(g, num_stages)])
 
     def compute_warpgroup(w):
-        plgpu.set_max_registers(232, action="increase")
-        my_cols = pl.ds(w * WG_N, WG_N)
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        o, half = divmod(w, 2)
+        my_cols = pl.ds(half * WG_N, WG_N)
 
-        def mainloop(j, acc_refs):
+        def mainloop(j, acc_ref):
             @pl.loop(0, steps)
             def _step(k):
                 slot = lax.rem(j * steps + k, num_stages)
                 with jax.named_scope("wait_full"):
                     plgpu.barrier_wait(full_bars.at[slot])
-                tiles = [w_smem.at[slot, o, :, my_cols].T for o in range(2)]  # [64 cols, 32 words] each
+                tile = w_smem.at[slot, o, :, my_cols].T  # [64 cols, 32 words]
                 if interpret:
-                    words = [tile[...] for tile in tiles]
-                    scales = [s_smem[slot, o, :, my_cols] for o in range(2)]
+                    words, scales = tile[...], s_smem[slot, o, :, my_cols]
                 else:
-                    words = [plgpu.layout_cast(plgpu.load(tile, layout=plgpu.Layout._WGMMA_ACC_32BIT),
-                                               plgpu.Layout.WGMMA) for tile in tiles]
+                    words = plgpu.layout_cast(plgpu.load(tile, layout=plgpu.Layout._WGMMA_ACC_32BIT),
+                                              plgpu.Layout.WGMMA)
                 for c in range(STAGE_CHUNKS):
                     x_t = x_smem.at[slot, c].T
-                    for o, acc_ref in enumerate(acc_refs):
-                        if interpret:
-                            a_smem[w] = _dequant_chunk_jnp(words[o], scales[o], c)
-                            plgpu.commit_smem()
-                            plgpu.wgmma(acc_ref, a_smem.at[w], x_t)
-                            plgpu.wgmma_wait(0)
-                        else:  # dequantize the next chunk while this one multiplies
-                            a = _dequant_chunk(words[o][:, c * 8:(c + 1) * 8], s_smem.at[slot, o], c, w * WG_N)
-                            plgpu.wgmma(acc_ref, a, x_t)
-                            plgpu.wgmma_wait(1)
+                    if interpret:
+                        a_smem[w] = _dequant_chunk_jnp(words, scales, c)
+                        plgpu.commit_smem()
+                        plgpu.wgmma(acc_ref, a_smem.at[w], x_t)
+                        plgpu.wgmma_wait(0)
+                    else:  # dequantize the next chunk while this one multiplies
+                        a = _dequant_chunk(words[:, c * 8:(c + 1) * 8], s_smem.at[slot, o], c, half * WG_N)
+                        plgpu.wgmma(acc_ref, a, x_t)
+                        plgpu.wgmma_wait(1)
                 plgpu.wgmma_wait(0)  # in the step: freeing the slot in the next step's body cost 15-20% (run 11)
                 plgpu.barrier_arrive(empty_bars.at[slot])
 
-            return tuple(acc_ref[...] for acc_ref in acc_refs)
+            return acc_ref[...]
+
+        def store_rows(tile, ref, rows, cols, p1_order):
+            """tile [64 cols, bm] -> out_ref[rows, cols], through ref [bm, 64]."""
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read ref
+            if interpret:
+                ref[...] = to_p1_order(tile.T) if p1_order else tile.T
+            else:
+                _store_transposed(tile, ref, p1_order=p1_order)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(ref, out_ref.at[rows, cols])
 
         @pl.loop(0, my_tiles)
         def _tile(j):
             b, n = tile_coords(j)
-            accs = pl.run_scoped(functools.partial(mainloop, j), (plgpu.ACC((WG_N, block_m), jnp.float32),) * 2)
+            acc = pl.run_scoped(functools.partial(mainloop, j), plgpu.ACC((WG_N, block_m), jnp.float32))
+            rows = pl.ds(pl.multiple_of(b * block_m, block_m), block_m)
             with jax.named_scope("epilogue"):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read out_smem
-                rows = pl.ds(pl.multiple_of(b * block_m, block_m), block_m)
-                if gate_up:
-                    gate, up = accs
-                    h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(out_smem.dtype)
+                if not gate_up:
+                    cols = pl.ds(pl.multiple_of(n * 2 * TILE_N + o * TILE_N + half * WG_N, WG_N), WG_N)
+                    store_rows(acc.astype(out_smem.dtype), out_smem.at[w], rows, cols, p1_order=False)
+                elif o == 1:  # up: hand it to the gate warpgroup of these columns
                     if interpret:
-                        out_smem[w] = to_p1_order(h.T)
+                        up_smem[half] = acc.reshape(up_smem.shape[1:])
                     else:
-                        _store_transposed(h, out_smem.at[w], p1_order=True)
-                    plgpu.commit_smem()
-                    cols = pl.ds(pl.multiple_of(n * TILE_N + w * WG_N, WG_N), WG_N)
-                    plgpu.copy_smem_to_gmem(out_smem.at[w], out_ref.at[rows, cols])
+                        _stash(acc, up_smem.at[half])
+                    plgpu.barrier_arrive(up_full_bars.at[half])
+                    plgpu.barrier_wait(up_empty_bars.at[half])
                 else:
-                    for o, acc in enumerate(accs):
-                        if interpret:
-                            out_smem[w, o] = acc.T
-                        else:
-                            _store_transposed(acc, out_smem.at[w, o], p1_order=False)
-                    plgpu.commit_smem()
-                    for o in range(2):
-                        cols = pl.ds(pl.multiple_of(n * 2 * TILE_N + o * TILE_N + w * WG_N, WG_N), WG_N)
-                        plgpu.copy_smem_to_gmem(out_smem.at[w, o], out_ref.at[rows, cols])
+                    plgpu.barrier_wait(up_full_bars.at[half])
+                    up = up_smem[half].reshape(acc.shape) if interpret else _unstash(up_smem.at[half], block_m)
+                    plgpu.barrier_arrive(up_empty_bars.at[half])
+                    h = (acc / (1.0 + jnp.exp(-acc)) * up).astype(out_smem.dtype)
+                    cols = pl.ds(pl.multiple_of(n * TILE_N + half * WG_N, WG_N), WG_N)
+                    store_rows(h, out_smem.at[half], rows, cols, p1_order=True)
 
         plgpu.wait_smem_to_gmem(0)
 
-    for w in range(2):
+    for w in range(NUM_COMPUTE):
         pl.when(wg == w)(functools.partial(compute_warpgroup, w))
 
 
@@ -287,26 +343,28 @@ def _grouped_gemm(num_blocks, block_expert, block_row, x, w, s, out_type, *, gat
     """One of the two GEMMs (see `_kernel`) over the first num_blocks[0] row blocks: block_expert [NB] (row of
     the weight stack), block_row [NB] (first x row). As many pipeline stages as fit in shared memory, up to 4."""
     stage_bytes = 2 * (STAGE_WORDS * TILE_N * 4 + STAGE_WORDS // 4 * TILE_N * 2) + STAGE_CHUNKS * block_m * CHUNK * 2
-    if gate_up:
-        out_smem = plgpu.SMEM((2, block_m, WG_N), jnp.bfloat16)
-        out_bytes = 2 * block_m * WG_N * 2
-    else:
-        out_smem = plgpu.SMEM((2, 2, block_m, WG_N), jnp.float32)
-        out_bytes = 4 * block_m * WG_N * 4
-    a_bytes = 2 * 64 * CHUNK * 2 if interpret else 0
-    num_stages = min(4, (SMEM_BYTES - out_bytes - a_bytes - 2048) // stage_bytes)
+    out_dtype = jnp.dtype(out_type.dtype)
+    out_tiles = 2 if gate_up else NUM_COMPUTE  # gate_up: the gate warpgroups store h
+    up_shape = (2, block_m // 4, 256) if gate_up else (1,)
+    fixed_bytes = (out_tiles * block_m * WG_N * out_dtype.itemsize + 4 * math.prod(up_shape)
+                   + (NUM_COMPUTE * 64 * CHUNK * 2 if interpret else 0) + 2048)
+    num_stages = min(4, (SMEM_BYTES - fixed_bytes) // stage_bytes)
     scratch = [
         tiled_smem((num_stages, 2, STAGE_WORDS, TILE_N), jnp.int32, 128),  # w_smem [slot, tile]
         plgpu.SMEM((num_stages, 2, STAGE_WORDS // 4, TILE_N), jnp.bfloat16),  # s_smem [slot, tile, group, col]
         tiled_smem((num_stages, STAGE_CHUNKS, block_m, CHUNK), jnp.bfloat16, 128),  # x_smem [slot, chunk]
-        tiled_smem((2, 64, CHUNK), jnp.bfloat16, 128) if interpret else plgpu.SMEM((1,), jnp.float32),  # a_smem
-        out_smem,
+        (tiled_smem((NUM_COMPUTE, 64, CHUNK), jnp.bfloat16, 128) if interpret
+         else plgpu.SMEM((1,), jnp.float32)),  # a_smem
+        plgpu.SMEM((out_tiles, block_m, WG_N), out_dtype),  # out_smem
+        plgpu.SMEM(up_shape, jnp.float32),  # up_smem: gate_up's up accumulators, `_stash` layout
         plgpu.Barrier(num_arrivals=NUM_COPIES, num_barriers=num_stages),  # full_bars
-        plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # empty_bars
+        plgpu.Barrier(num_arrivals=NUM_COMPUTE, num_barriers=num_stages),  # empty_bars
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # up_full_bars [column half]
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # up_empty_bars
     ]
     kernel = plgpu.kernel(
         functools.partial(_kernel, gate_up=gate_up, block_m=block_m, num_stages=num_stages, interpret=interpret),
-        out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",), num_threads=3,
+        out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",), num_threads=NUM_COMPUTE + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -366,14 +424,15 @@ def routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset=0):
                           jnp.arange(num_blocks_max, dtype=jnp.int32) * block_m, pair_slot)
 
 
-@functools.partial(jax.jit, static_argnames=["block_m", "out_dtype", "interpret", "num_sms"])
+@functools.partial(jax.jit, static_argnames=["block_m", "out_dtype", "pair_rows_fp32", "interpret", "num_sms"])
 def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset=0,
-                     block_m=32, out_dtype=None, interpret=False, layer=None, num_sms=None):
+                     block_m=32, out_dtype=None, pair_rows_fp32=False, interpret=False, layer=None, num_sms=None):
     """Mosaic GPU fused MoE with the contract of `int4_moe_gemm.fused_moe_reference` (bf16 x only).
 
     Routing in XLA (`expert_ranks`: pairs grouped by expert without a sort, each group padded to block_m slots);
     the activations are gathered in sorted pair order and P1-permuted, the gate_up epilogue writes h
-    P1-permuted, and the routing weights and the top-k sum are applied in fp32 by the combine.
+    P1-permuted, down rounds each pair's row to bf16 (fp32 if pair_rows_fp32: for partial sums over a split
+    intermediate dim), and the routing weights and the top-k sum are applied in fp32 by the combine.
     layer: weights stacked per layer ([n, E, ...]), indexed in place. block_m: 16, 32 or 64 rows a block.
     """
     if x.dtype != jnp.bfloat16:
@@ -394,12 +453,13 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
     h = _grouped_gemm(ops.num_blocks, ops.block_expert, ops.x_row, ops.xs, *weights[:2],
                       jax.ShapeDtypeStruct((num_slots, i), x.dtype), gate_up=True, **common)
     y_slots = _grouped_gemm(ops.num_blocks, ops.block_expert, ops.slot_row, h, *weights[2:],
-                            jax.ShapeDtypeStruct((num_slots, d), jnp.float32), gate_up=False, **common)
+                            jax.ShapeDtypeStruct((num_slots, d), jnp.float32 if pair_rows_fp32 else x.dtype),
+                            gate_up=False, **common)
     return combine(y_slots, ops.pair_slot.reshape(num_tokens, top_k), topk_weights).astype(out_dtype or x.dtype)
 
 
 def combine(y_slots, pair_slot, topk_weights):
-    """Down's rows in slot order y_slots [slots, D] f32, each pair's slot pair_slot [M, k] (-1 = off this shard)
+    """Down's rows in slot order y_slots [slots, D] (bf16 or fp32), each pair's slot pair_slot [M, k] (-1 = off this shard)
     -> y [M, D] f32: per token, the sum over its top k of the routing weight times its pair's row. One
     elementwise pass over k gathered rows a token (no [M * k, D] intermediate)."""
     weights = topk_weights.astype(jnp.float32)

@@ -81,7 +81,19 @@ def test_interpret_matches_reference(num_tokens, top_k, block_m):
     x = jnp.asarray(np.random.default_rng(num_tokens).normal(size=(num_tokens, 512)), jnp.bfloat16)
     ids, weights = random_routing(num_tokens, num_tokens, top_k, 10)
     y_ref = moe.fused_moe_reference(x, ids, weights, *experts, out_dtype=jnp.float32)
-    assert close(mosaic_moe(block_m=block_m, out_dtype=jnp.float32)(x, ids, weights, *experts), y_ref)
+    assert close(mosaic_moe(block_m=block_m, out_dtype=jnp.float32, pair_rows_fp32=True)(x, ids, weights, *experts),
+                 y_ref)
+
+
+def test_default_rounds_each_pairs_row_to_bf16():
+    """Without pair_rows_fp32 each (token, expert) row is rounded to bf16 before the fp32 top-k sum: within a
+    bf16 rounding of the fp32-row result, and not equal to it."""
+    experts, _ = random_experts(2, num_experts=8, d=512, i=256)
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(21, 512)), jnp.bfloat16)
+    ids, weights = random_routing(3, 21, 4, 8)
+    y_fp32_rows = mosaic_moe(block_m=16, out_dtype=jnp.float32, pair_rows_fp32=True)(x, ids, weights, *experts)
+    y = mosaic_moe(block_m=16, out_dtype=jnp.float32)(x, ids, weights, *experts)
+    assert 1e-5 < rel_err(y, y_fp32_rows) < 4e-3
 
 
 def test_extreme_values_stacked_layers_and_expert_offset():
@@ -92,8 +104,8 @@ def test_extreme_values_stacked_layers_and_expert_offset():
     ids, weights = random_routing(4, 9, 2, 12)
     for layer in range(2):
         y_ref = moe.fused_moe_reference(x, ids, weights, *layers[layer], expert_offset=4, out_dtype=jnp.float32)
-        y = mosaic_moe(block_m=16, out_dtype=jnp.float32)(x, ids, weights, *stacked, expert_offset=4,
-                                                          layer=jnp.int32(layer))
+        moe_fn = mosaic_moe(block_m=16, out_dtype=jnp.float32, pair_rows_fp32=True)
+        y = moe_fn(x, ids, weights, *stacked, expert_offset=4, layer=jnp.int32(layer))
         assert close(y, y_ref)
 
 
@@ -107,6 +119,16 @@ def test_bad_arguments_are_named():
     small, _ = random_experts(1, num_experts=2, d=128, i=256)
     with pytest.raises(ValueError, match="D=128"):
         mosaic.fused_moe_mosaic(jnp.zeros((2, 128), jnp.bfloat16), ids, weights, *small)
+
+
+def test_register_split_fits_the_launch_allocation():
+    """setmaxnreg moves registers within what the CTA got at launch; asking for more hangs the GPU (the
+    interpreter ignores register counts, so only this arithmetic guards it)."""
+    threads = 128 * (mosaic.NUM_COMPUTE + 1)
+    assert mosaic.LAUNCH_REGISTERS * threads <= 65536
+    per_warpgroup = mosaic.NUM_COMPUTE * mosaic.COMPUTE_REGISTERS + mosaic.MEMORY_REGISTERS
+    assert per_warpgroup <= (mosaic.NUM_COMPUTE + 1) * mosaic.LAUNCH_REGISTERS
+    assert all(24 <= r <= 256 and r % 8 == 0 for r in (mosaic.COMPUTE_REGISTERS, mosaic.MEMORY_REGISTERS))
 
 
 @pytest.mark.parametrize("block_m,stacked", [(16, False), (32, True), (64, False)])
