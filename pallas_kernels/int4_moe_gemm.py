@@ -196,7 +196,7 @@ def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
     return Tiling(block_m=64, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True, dequant=dequant)
 
 
-MOSAIC_MIN_TOKENS = 8  # from here on the Mosaic GPU kernels won every race (bench/moe_gemm.md, runs 10 and 12)
+MOSAIC_MIN_TOKENS = 4  # from here on the Mosaic GPU kernels won every race (bench/moe_gemm.md, runs 10-15)
 
 
 def mosaic_block_m(num_tokens, dtype, d, i, interpret=False):

@@ -13,9 +13,8 @@ its pipeline:
   warpgroups 0-3 each take 64 columns of one of the two tiles: load the words transposed ([64 cols, 32
     words], each thread holding rows r, r+8 and words 2q, 2q+1 of every 8), dequantize a 64-input chunk into
     the bf16 wgmma A fragment [64 cols, 64 inputs] with PTX (lop3 / sub / mul, bf16(q * scale) rounded
-    once), and issue wgmma against the activations. Four of them, not two with both tiles each: the loop is
-    bound by the latency of the dequant and of the register-fed wgmma, which two warps a scheduler hid
-    poorly (bench/moe_gemm.md, run 15).
+    once), and issue wgmma against the activations. Four of them, not two with both tiles each: 1-3% faster
+    (bench/moe_gemm.md, run 15), though not the 20% that a latency-bound loop would have gained.
 
 The A fragment of thread (row r, quad lane q) covers inputs k = 16i + 8e + 2q + h of a chunk (k16 step i,
 half e, pair h). The nibbles a thread holds are inputs 8 * (2q + e) + j of its two words, so wgmma column k
@@ -24,11 +23,11 @@ register. The activations are permuted the same way (`to_p1_order`), so the prod
 
 The two weight tiles are (gate, up) of one 128-column slice for gate_up (epilogue: each up warpgroup hands its
 accumulator to the gate warpgroup of its columns through shared memory, which writes silu(gate) * up -> h,
-bf16) and two adjacent 128-column slices for down (epilogue: bf16 rows in slot order, each (token, expert)
-pair's expert output rounded once, as transformers' DeepseekV3MoE rounds `expert(x)`, or fp32 rows for partial
-sums over a split intermediate dim; the caller gathers each
-pair's row, applies the routing weight and sums the top k in fp32). fp32 rows measured 16% slower in down at
-M = 1024: twice the bytes, and a staging buffer that leaves room for 3 pipeline stages instead of 4.
+bf16) and two adjacent 128-column slices for down (epilogue: rows in slot order; the caller gathers each
+(token, expert) pair's row, applies the routing weight and sums the top k in fp32). Down's rows are bf16, each
+pair's expert output rounded once, as transformers' DeepseekV3MoE rounds `expert(x)`; fp32 rows (for partial
+sums over a split intermediate dim) measured 16% slower in down at M = 1024: twice the bytes, and a staging
+buffer that leaves room for 3 pipeline stages instead of 4.
 """
 import functools
 import math
@@ -169,18 +168,22 @@ def _store_transposed(acc, out_ref, p1_order):
     store(acc, out_ref)
 
 
+def _stash_column():
+    """2t as an index, for thread t of its warpgroup: where its registers sit in a `_stash` row."""
+    i32 = ir.IntegerType.get_signless(32)
+    tid = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, 128))
+    return arith.index_cast(ir.IndexType.get(), arith.muli(tid, arith.constant(i32, 2)))
+
+
 def _stash(acc, ref):
     """acc f32 [64, bm] (WGMMA layout) -> ref f32 [bm / 4, 256]: register i of thread t at [i, 2t : 2t + 2], read
     back by `_unstash` in any warpgroup (conflict-free, no layout change)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
     def store(_, acc, ref):
-        index = ir.IndexType.get()
-        col = arith.muli(arith.remui(mgpu_utils.thread_idx(), arith.constant(ir.IntegerType.get_signless(32), 128)),
-                         arith.constant(ir.IntegerType.get_signless(32), 2))
-        col = arith.index_cast(index, col)
+        col = _stash_column()
         for i, reg in enumerate(acc.registers.flat):
-            vector.store(reg, ref, [arith.constant(index, i), col])
+            vector.store(reg, ref, [arith.constant(ir.IndexType.get(), i), col])
 
     store(acc, ref)
 
@@ -193,9 +196,7 @@ def _unstash(ref, block_m):
                        return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, plgpu.Layout.WGMMA))
     def load(_, ref):
         index, f32x2 = ir.IndexType.get(), ir.VectorType.get((2,), ir.F32Type.get())
-        col = arith.muli(arith.remui(mgpu_utils.thread_idx(), arith.constant(ir.IntegerType.get_signless(32), 128)),
-                         arith.constant(ir.IntegerType.get_signless(32), 2))
-        col = arith.index_cast(index, col)
+        col = _stash_column()
         regs = np.empty(mgpu_fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
         for i in range(regs.size):
             regs.flat[i] = vector.load(f32x2, ref, [arith.constant(index, i), col])
@@ -459,9 +460,9 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
 
 
 def combine(y_slots, pair_slot, topk_weights):
-    """Down's rows in slot order y_slots [slots, D] (bf16 or fp32), each pair's slot pair_slot [M, k] (-1 = off this shard)
-    -> y [M, D] f32: per token, the sum over its top k of the routing weight times its pair's row. One
-    elementwise pass over k gathered rows a token (no [M * k, D] intermediate)."""
+    """Down's rows in slot order y_slots [slots, D] (bf16 or fp32), each pair's slot pair_slot [M, k] (-1 = off
+    this shard) -> y [M, D] f32: per token, the sum over its top k of the routing weight times its pair's row.
+    One elementwise pass over k gathered rows a token (no [M * k, D] intermediate)."""
     weights = topk_weights.astype(jnp.float32)
     terms = [jnp.where(pair_slot[:, j:j + 1] >= 0, weights[:, j:j + 1] * y_slots[jnp.maximum(pair_slot[:, j], 0)], 0.0)
              for j in range(pair_slot.shape[1])]

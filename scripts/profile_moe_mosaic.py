@@ -47,7 +47,7 @@ def glue_us(x, ids, weights, block_m):
     combine."""
     local_ids = ids.reshape(-1).astype(jnp.int32)
     ops = mosaic.routed_operands(x, local_ids, E, block_m, TOP_K)
-    y_slots = jax.random.normal(jax.random.PRNGKey(1), (ops.slot_row.shape[0] * block_m, D), jnp.float32)
+    y_slots = jax.random.normal(jax.random.PRNGKey(1), (ops.slot_row.shape[0] * block_m, D), jnp.bfloat16)
     return dict(ranks_us=median_seconds(functools.partial(moe.expert_ranks, num_experts=E), local_ids) * 1e6,
                 operands_us=median_seconds(functools.partial(mosaic.routed_operands, num_experts=E, block_m=block_m,
                                                              top_k=TOP_K), x, local_ids) * 1e6,
@@ -62,7 +62,7 @@ def kernels(block_m):
         return mosaic._grouped_gemm(num_blocks, block_expert, rows, xs, w, s, out, gate_up=True, **common)
 
     def down(num_blocks, block_expert, rows, h, w, s):
-        out = jax.ShapeDtypeStruct((h.shape[0], D), jnp.float32)
+        out = jax.ShapeDtypeStruct((h.shape[0], D), jnp.bfloat16)  # the wrapper's bf16 pair rows
         return mosaic._grouped_gemm(num_blocks, block_expert, rows, h, w, s, out, gate_up=False, **common)
 
     return gate_up, down

@@ -175,9 +175,9 @@ def test_gate_up_rows_are_tile_aligned_and_hold_each_slots_token(num_tokens, blo
     assert np.sum(token_of_row >= 0) == np.sum(np.asarray(local_ids) < 8)
 
 
-@pytest.mark.parametrize("num_tokens,kernel", [(4, "triton"), (8, "mosaic"), (1024, "mosaic"), (4096, "mosaic")])
-def test_wrapper_default_picks_mosaic_from_8_bf16_tokens(num_tokens, kernel):
-    """int4_moe_gemm.fused_moe with no tiling: the Mosaic kernels where they won the H200 race (bf16, M >= 8),
+@pytest.mark.parametrize("num_tokens,kernel", [(2, "triton"), (4, "mosaic"), (1024, "mosaic"), (4096, "mosaic")])
+def test_wrapper_default_picks_mosaic_from_4_bf16_tokens(num_tokens, kernel):
+    """int4_moe_gemm.fused_moe with no tiling: the Mosaic kernels where they won the H200 race (bf16, M >= 4),
     Triton below; float32 and interpret mode always take Triton."""
     e, d, i = 384, 7168, 2048
     args = (jax.ShapeDtypeStruct((num_tokens, d), jnp.bfloat16), jax.ShapeDtypeStruct((num_tokens, 8), jnp.int32),
