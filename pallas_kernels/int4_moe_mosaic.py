@@ -14,7 +14,8 @@ its pipeline:
     words], each thread holding rows r, r+8 and words 2q, 2q+1 of every 8), dequantize a 64-input chunk into
     the bf16 wgmma A fragment [64 cols, 64 inputs] with PTX (lop3 / sub / mul, bf16(q * scale) rounded
     once), and issue wgmma against the activations. Four of them, not two with both tiles each: 1-3% faster
-    (bench/moe_gemm.md, run 15), though not the 20% that a latency-bound loop would have gained.
+    (bench/moe_gemm.md, run 15). The dequant arithmetic bounds the loop: without it gate_up streams at the
+    memory floor (the dequant probe after run 15).
 
 The A fragment of thread (row r, quad lane q) covers inputs k = 16i + 8e + 2q + h of a chunk (k16 step i,
 half e, pair h). The nibbles a thread holds are inputs 8 * (2q + e) + j of its two words, so wgmma column k
