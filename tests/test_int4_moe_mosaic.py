@@ -194,7 +194,8 @@ def test_wrapper_default_picks_mosaic_from_4_bf16_tokens(num_tokens, kernel):
 @pytest.mark.parametrize("mode", ["ep", "tp"])
 def test_sharded_forms_lower_with_the_mosaic_kernels(mode):
     """Under shard_map over 8 abstract H200s, experts split (48 a device) or I split (256 a device), M = 1024:
-    each shard's default takes the Mosaic kernels and they lower."""
+    each shard's default takes the Mosaic kernels and they lower; down's pair rows are bf16 under EP and fp32
+    under TP, where they are partial sums over the split I."""
     mesh = AbstractMesh((8,), ("model",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                                                          platform="cuda"))
     n, e, d, i, m = 2, 384, 7168, 2048, 1024
@@ -207,7 +208,9 @@ def test_sharded_forms_lower_with_the_mosaic_kernels(mode):
     with use_abstract_mesh(mesh):
         hlo = jax.jit(moe.fused_moe_sharded(mesh, mode=mode, stacked=True)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
-    assert hlo.count("@mosaic_gpu_v2(") == 2
+    calls = [line for line in hlo.splitlines() if "@mosaic_gpu_v2(" in line]
+    assert len(calls) == 2
+    assert f"x{d}x{'f32' if mode == 'tp' else 'bf16'}>" in calls[1].split("->")[-1]
 
 
 def test_gpus_without_wgmma_keep_to_the_triton_kernels(monkeypatch):
