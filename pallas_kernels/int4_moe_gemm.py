@@ -274,13 +274,12 @@ def group_starts(counts, multiple):
     return exclusive_prefix_sum(-(-counts // multiple) * multiple)
 
 
-def pair_rows(local_ids, counts, rank, multiple, off_shard):
-    """[P] int32: the row of each pair when the experts' groups follow each other padded to `multiple` rows
-    (its group's first row + its rank), `off_shard` for pairs outside [0, E). counts, rank: `expert_ranks`."""
-    num_experts = counts.shape[0]
+def pair_rows(local_ids, starts, rank, off_shard):
+    """[P] int32: the row of each pair in the experts' padded groups (its group's first row + its rank),
+    `off_shard` for pairs outside [0, E). starts [E]: `group_starts`; rank: `expert_ranks`."""
+    num_experts = starts.shape[0]
     on_shard = (local_ids >= 0) & (local_ids < num_experts)
-    first = group_starts(counts, multiple)[jnp.clip(local_ids, 0, num_experts - 1)]
-    return jnp.where(on_shard, first + rank, off_shard)
+    return jnp.where(on_shard, starts[jnp.clip(local_ids, 0, num_experts - 1)] + rank, off_shard)
 
 
 def block_experts(counts, block_m, num_blocks):
@@ -302,7 +301,7 @@ def sort_routing(local_ids, num_experts, block_m):
     num_pairs = local_ids.shape[0]
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
     counts, rank = expert_ranks(local_ids, num_experts)
-    slot = pair_rows(local_ids, counts, rank, block_m, num_blocks * block_m)
+    slot = pair_rows(local_ids, group_starts(counts, block_m), rank, num_blocks * block_m)
     slot_pair = jnp.full((num_blocks * block_m,), -1, jnp.int32).at[slot].set(
         jnp.arange(num_pairs, dtype=jnp.int32), mode="drop")
     return Routing(block_experts(counts, block_m, num_blocks), slot_pair)

@@ -387,7 +387,7 @@ def gate_up_rows(local_ids, counts, rank, block_expert, block_m, top_k):
     num_experts, num_pairs = counts.shape[0], local_ids.shape[0]
     slot_start, row_start = group_starts(counts, block_m), group_starts(counts, 8)
     num_rows = -(-(num_pairs + 8 * min(num_experts, num_pairs) + block_m) // 8) * 8
-    row = pair_rows(local_ids, counts, rank, 8, num_rows)
+    row = pair_rows(local_ids, row_start, rank, num_rows)
     token_of_row = jnp.full(num_rows, -1, jnp.int32).at[row].set(jnp.arange(num_pairs, dtype=jnp.int32) // top_k,
                                                                  mode="drop")
     expert = jnp.maximum(block_expert, 0)
@@ -421,7 +421,7 @@ def routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset=0):
     num_blocks = jnp.sum(block_expert >= 0, dtype=jnp.int32)[None]
     token_of_row, x_row = gate_up_rows(local_ids, counts, rank, block_expert, block_m, top_k)
     xs = jnp.where(token_of_row[:, None] >= 0, to_p1_order(x)[jnp.maximum(token_of_row, 0)], 0)
-    pair_slot = pair_rows(local_ids, counts, rank, block_m, -1)
+    pair_slot = pair_rows(local_ids, group_starts(counts, block_m), rank, -1)
     return RoutedOperands(num_blocks, jnp.where(block_expert >= 0, block_expert + stack_offset, -1), x_row, xs,
                           jnp.arange(num_blocks_max, dtype=jnp.int32) * block_m, pair_slot)
 
