@@ -1,0 +1,82 @@
+"""A/B race of Mosaic prefix-kernel variants, kernel alone, in one process on the same inputs: this tree's
+`pallas_kernels/mla_prefix_mosaic.py` ("head") against module files given as NAME=PATH (e.g. an older or a
+branch's copy: `git show seesaw:pallas_kernels/mla_prefix_mosaic.py > ab/seesaw.py`). Each row has every
+variant's time, % of the floor and output rel diff from head. MOSAIC_GPU_DUMP_PTXAS=1 prints each compile's
+registers and spills.
+
+  PYTHONPATH=. python3 scripts/race_mla_prefix.py --variant seesaw=ab/seesaw.py --out $OUT/race.json --commit SHA
+"""
+import argparse
+import datetime
+import importlib.util
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import mla_prefix_mosaic, tree_mla_attention as attn
+from scripts.bench_verify_attn import SCALE, make_input_sets, measure_ceilings, num_sets_for, roofline, seconds_per_call
+
+
+def load_module(name, path):
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def kernel_alone(module, num_splits):
+  """jit of module.mla_prefix_attention on tree_mla_attention's arguments, queries padded as its wrapper does."""
+  def call(q_lat, q_rope, cache, prefix_len, tail, visibility):
+    C, T, H, R = q_lat.shape
+    M = T * H
+    pad = [(0, 0), (0, pl.cdiv(M, mla_prefix_mosaic.BLOCK_M) * mla_prefix_mosaic.BLOCK_M - M), (0, 0)]
+    q = jnp.pad(jnp.concatenate([q_lat.reshape(C, M, R), q_rope.reshape(C, M, -1)], -1), pad)
+    visible = jnp.pad(jnp.repeat(visibility, H, axis=1), pad[:2] + [(0, 0)])
+    return module.mla_prefix_attention(q, cache, prefix_len, tail, visible, num_splits=num_splits,
+                                       qk_scale=SCALE * attn._LOG2E)
+  return jax.jit(call)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--variant", action="append", default=[], help="NAME=PATH of a module file to race")
+  parser.add_argument("--points", nargs="+", default=["8,32768,65,64", "8,32768,65,8", "8,32768,1,64"],
+                      help="C,S,T,H shapes")
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--commit", default="unknown")
+  args = parser.parse_args()
+  variants = {"head": mla_prefix_mosaic}
+  for spec in args.variant:
+    name, _, path = spec.partition("=")
+    if not name or not path:
+      parser.error(f"--variant wants NAME=PATH, got {spec!r}")
+    variants[name] = load_module(name, path)
+  record = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.UTC).isoformat(),
+                commit=args.commit, command=" ".join(["PYTHONPATH=. python3", *sys.argv]), rows=[])
+  ceilings = measure_ceilings()
+  record.update(copy_tb_per_s=ceilings[0] / 1e12, matmul_tflops=ceilings[1] / 1e12)
+  for point in [tuple(int(x) for x in p.split(",")) for p in args.points]:
+    C, S, T, H = point
+    num_splits = attn.choose_num_splits(C * pl.cdiv(T * H, mla_prefix_mosaic.BLOCK_M),
+                                        pl.cdiv(S, mla_prefix_mosaic.BLOCK_K), attn._NUM_SMS)
+    arg_sets = make_input_sets(C, S, T, H, num_sets_for(*point))
+    _, _, floor, _ = roofline(*point, arg_sets[0][5], ceilings)
+    row, head_out = dict(C=C, prefix=S, T=T, H=H, num_splits=num_splits, floor_s=floor), None
+    for name, module in variants.items():
+      print(f"=== {name} {point}", file=sys.stderr, flush=True)
+      fn = kernel_alone(module, num_splits)
+      out, _ = fn(*arg_sets[0])
+      head_out = out if head_out is None else head_out
+      row[f"{name}_rel_diff"] = float(jnp.linalg.norm(out - head_out) / jnp.linalg.norm(head_out))
+      row[f"{name}_s"] = seconds_per_call(fn, arg_sets)
+      row[f"{name}_pct_of_floor"] = 100 * floor / row[f"{name}_s"]
+    print(json.dumps(row), flush=True)
+    record["rows"].append(row)
+    json.dump(record, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+  main()
