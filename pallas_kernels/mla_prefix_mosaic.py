@@ -20,10 +20,11 @@ probabilities through shared memory (FlashMLA's scheme), so no MMA is repeated:
     O_w = O_w * exp2(m_old - m) + P V[:, 256w:256w+256]   [64, 256]  (K = 64)
   warpgroup 2 streams Q once and the [64, 576] key blocks through a 2-stage TMA ring.
 Each warpgroup keeps the running sum of its own keys' probabilities; the two are added at the end.
-FlashMLA's "seesaw" schedule (each warpgroup scores whole blocks in turn) was built on branch `seesaw` and
-measured 2.0-2.4x slower here: it spills registers (bench/verify_attn.md, runs 11-13).
 Tail blocks come from the tail rows (padded to whole blocks); which of them a query row sees comes as one
 32-bit word per row and half block (`tail_visibility_bits`), tested bit by bit against the key column.
+
+FlashMLA's "seesaw" schedule (each warpgroup scores whole blocks in turn) was built on branch `seesaw` and
+measured 2.0-2.4x slower here: it spills registers (bench/verify_attn.md, runs 11-13).
 """
 import functools
 
