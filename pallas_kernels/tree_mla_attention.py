@@ -273,10 +273,10 @@ def mosaic_prefix_fits(q_lat, cache):
 
 
 def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, tail, visibility, *, num_splits, qk_scale,
-                      interpret):
+                      interpret, prefix_attention=mla_prefix_mosaic.mla_prefix_attention):
   """The split partials from `mla_prefix_mosaic` (64-row tiles, 64-key blocks, one CTA an SM; the last split
   also attends to the tail); the query rows are padded to whole tiles (TMA boxes may not exceed the array)
-  and the padding cut off again."""
+  and the padding cut off again. prefix_attention: the kernel (another version of it in A/B races)."""
   C, M, _ = q_lat_CMR.shape
   T = tail.shape[1]
   if num_splits is None:
@@ -285,9 +285,8 @@ def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, tail,
   pad = [(0, 0), (0, pl.cdiv(M, mla_prefix_mosaic.BLOCK_M) * mla_prefix_mosaic.BLOCK_M - M), (0, 0)]
   q_CMD = jnp.pad(jnp.concatenate([q_lat_CMR, q_rope_CMP], axis=-1), pad)
   tail_visible_CMT = jnp.pad(jnp.repeat(visibility, M // T, axis=1), pad[:2] + [(0, 0)])  # row t * H + h: token t
-  o, lse = mla_prefix_mosaic.mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT,
-                                                  num_splits=num_splits, qk_scale=qk_scale, cache_seq=cache_seq,
-                                                  interpret=interpret)
+  o, lse = prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, num_splits=num_splits,
+                            qk_scale=qk_scale, cache_seq=cache_seq, interpret=interpret)
   return o[:, :, :M], lse[:, :, :M]
 
 

@@ -35,11 +35,13 @@ def default_splits(C, S, T, H):
                                 pl.cdiv(S, mla_prefix_mosaic.BLOCK_K), attn._NUM_SMS)
 
 
-def kernel_only(q_lat, q_rope, cache, prefix_len, tail, visibility, *, num_splits):
+def kernel_only(q_lat, q_rope, cache, prefix_len, tail, visibility, *, num_splits,
+                prefix_attention=mla_prefix_mosaic.mla_prefix_attention):
+  """The Mosaic kernel (prefix splits and tail) on tree_mla_attention's arguments, queries padded as it does."""
   C, T, H, R = q_lat.shape
   return attn._mosaic_attention(q_lat.reshape(C, T * H, R), q_rope.reshape(C, T * H, -1), cache,
                                 jnp.arange(C, dtype=jnp.int32), prefix_len, tail, visibility, num_splits=num_splits,
-                                qk_scale=SCALE * attn._LOG2E, interpret=False)
+                                qk_scale=SCALE * attn._LOG2E, interpret=False, prefix_attention=prefix_attention)
 
 
 def main():

@@ -8,16 +8,17 @@ registers and spills.
 """
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import sys
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
-from pallas_kernels import mla_prefix_mosaic, tree_mla_attention as attn
-from scripts.bench_verify_attn import SCALE, make_input_sets, measure_ceilings, num_sets_for, roofline, seconds_per_call
+from pallas_kernels import mla_prefix_mosaic
+from scripts.bench_attn_parts import default_splits, kernel_only
+from scripts.bench_verify_attn import make_input_sets, measure_ceilings, num_sets_for, roofline, seconds_per_call
 
 
 def load_module(name, path):
@@ -25,19 +26,6 @@ def load_module(name, path):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
-
-
-def kernel_alone(module, num_splits):
-  """jit of module.mla_prefix_attention on tree_mla_attention's arguments, queries padded as its wrapper does."""
-  def call(q_lat, q_rope, cache, prefix_len, tail, visibility):
-    C, T, H, R = q_lat.shape
-    M = T * H
-    pad = [(0, 0), (0, pl.cdiv(M, mla_prefix_mosaic.BLOCK_M) * mla_prefix_mosaic.BLOCK_M - M), (0, 0)]
-    q = jnp.pad(jnp.concatenate([q_lat.reshape(C, M, R), q_rope.reshape(C, M, -1)], -1), pad)
-    visible = jnp.pad(jnp.repeat(visibility, H, axis=1), pad[:2] + [(0, 0)])
-    return module.mla_prefix_attention(q, cache, prefix_len, tail, visible, num_splits=num_splits,
-                                       qk_scale=SCALE * attn._LOG2E)
-  return jax.jit(call)
 
 
 def main():
@@ -60,14 +48,14 @@ def main():
   record.update(copy_tb_per_s=ceilings[0] / 1e12, matmul_tflops=ceilings[1] / 1e12)
   for point in [tuple(int(x) for x in p.split(",")) for p in args.points]:
     C, S, T, H = point
-    num_splits = attn.choose_num_splits(C * pl.cdiv(T * H, mla_prefix_mosaic.BLOCK_M),
-                                        pl.cdiv(S, mla_prefix_mosaic.BLOCK_K), attn._NUM_SMS)
+    num_splits = default_splits(*point)
     arg_sets = make_input_sets(C, S, T, H, num_sets_for(*point))
     _, _, floor, _ = roofline(*point, arg_sets[0][5], ceilings)
     row, head_out = dict(C=C, prefix=S, T=T, H=H, num_splits=num_splits, floor_s=floor), None
     for name, module in variants.items():
       print(f"=== {name} {point}", file=sys.stderr, flush=True)
-      fn = kernel_alone(module, num_splits)
+      fn = jax.jit(functools.partial(kernel_only, num_splits=num_splits,
+                                     prefix_attention=module.mla_prefix_attention))
       out, _ = fn(*arg_sets[0])
       head_out = out if head_out is None else head_out
       row[f"{name}_rel_diff"] = float(jnp.linalg.norm(out - head_out) / jnp.linalg.norm(head_out))
