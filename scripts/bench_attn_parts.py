@@ -5,17 +5,15 @@ difference, and the whole call at other prefix split counts.
   PYTHONPATH=. python3 scripts/bench_attn_parts.py --out bench/results/attn_parts_h200.json --commit SHA
 """
 import argparse
-import datetime
 import functools
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import mla_prefix_mosaic, tree_mla_attention as attn
-from scripts.bench_verify_attn import (SCALE, compile_all, make_input_sets, measure_ceilings, num_sets_for, roofline,
+from scripts.bench_verify_attn import (SCALE, compile_all, make_input_sets, new_record, num_sets_for, roofline,
                                        seconds_per_call)
 
 POINTS = {  # (C, S, T, H): split counts to race besides the wrapper's choice
@@ -49,10 +47,7 @@ def main():
   parser.add_argument("--out", required=True)
   parser.add_argument("--commit", default="unknown")
   args = parser.parse_args()
-  record = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.UTC).isoformat(),
-                commit=args.commit, command=" ".join(["PYTHONPATH=. python3", *sys.argv]), rows=[])
-  ceilings = measure_ceilings()
-  record.update(copy_tb_per_s=ceilings[0] / 1e12, matmul_tflops=ceilings[1] / 1e12)
+  record, ceilings = new_record(args.commit, rows=[])
   jobs = {}
   for point, splits in POINTS.items():
     chosen = default_splits(*point)

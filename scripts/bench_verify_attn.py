@@ -125,6 +125,16 @@ def measure_ceilings(copy_elems=1 << 30, matmul_n=8192):
   return copy_bps, 20 * 2 * matmul_n ** 3 / (time.perf_counter() - t0)
 
 
+def new_record(commit, **fields):
+  """A benchmark JSON's header (device, date, commit, the exact command) with the copy and matmul ceilings
+  measured now; returns (record, (copy bytes/s, matmul FLOP/s))."""
+  ceilings = measure_ceilings()
+  record = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.UTC).isoformat(),
+                commit=commit, command=" ".join(["PYTHONPATH=. python3", *sys.argv]),
+                copy_tb_per_s=ceilings[0] / 1e12, matmul_tflops=ceilings[1] / 1e12, **fields)
+  return record, ceilings
+
+
 def num_sets_for(C, S, T, H):
   set_bytes = 2 * (C * S * (R + P) + C * T * H * (R + P) + C * T * (R + P))
   return int(min(16, max(2, math.ceil(2 * L2_BYTES / set_bytes))))
@@ -243,13 +253,10 @@ def main():
   parser.add_argument("--commit", default="unknown")
   args = parser.parse_args()
   start = time.perf_counter()
-  record = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.UTC).isoformat(),
-                commit=args.commit, command=" ".join(["PYTHONPATH=. python3", *sys.argv]), jax=jax.__version__,
-                floor_model=dict(hbm_tb_per_s=HBM_BYTES_PER_S / 1e12, mma_tflops=MMA_FLOPS_PER_S / 1e12),
-                tune=[], rows=[], skipped=[])
+  record, ceilings = new_record(
+      args.commit, jax=jax.__version__, tune=[], rows=[], skipped=[],
+      floor_model=dict(hbm_tb_per_s=HBM_BYTES_PER_S / 1e12, mma_tflops=MMA_FLOPS_PER_S / 1e12))
   save = lambda: json.dump(record, open(args.out, "w"), indent=1)
-  ceilings = measure_ceilings()
-  record.update(copy_tb_per_s=ceilings[0] / 1e12, matmul_tflops=ceilings[1] / 1e12)
   print(f"ceilings: copy {ceilings[0] / 1e12:.2f} TB/s, bf16 matmul {ceilings[1] / 1e12:.0f} TFLOP/s", flush=True)
 
   # 1. Tune: every candidate tile on one shape per regime, checked against the float32 reference.

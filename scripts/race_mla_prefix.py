@@ -1,13 +1,12 @@
 """A/B race of Mosaic prefix-kernel variants, kernel alone, in one process on the same inputs: this tree's
 `pallas_kernels/mla_prefix_mosaic.py` ("head") against module files given as NAME=PATH (e.g. an older or a
 branch's copy: `git show seesaw:pallas_kernels/mla_prefix_mosaic.py > ab/seesaw.py`). Each row has every
-variant's time, % of the floor and output rel diff from head. MOSAIC_GPU_DUMP_PTXAS=1 prints each compile's
+variant's time, % of the floor and merged output's rel diff from head. MOSAIC_GPU_DUMP_PTXAS=1 prints each compile's
 registers and spills.
 
   PYTHONPATH=. python3 scripts/race_mla_prefix.py --variant seesaw=ab/seesaw.py --out $OUT/race.json --commit SHA
 """
 import argparse
-import datetime
 import functools
 import importlib.util
 import json
@@ -16,9 +15,9 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import mla_prefix_mosaic
+from pallas_kernels import mla_prefix_mosaic, tree_mla_attention as attn
 from scripts.bench_attn_parts import default_splits, kernel_only
-from scripts.bench_verify_attn import make_input_sets, measure_ceilings, num_sets_for, roofline, seconds_per_call
+from scripts.bench_verify_attn import make_input_sets, new_record, num_sets_for, roofline, seconds_per_call
 
 
 def load_module(name, path):
@@ -42,10 +41,7 @@ def main():
     if not name or not path:
       parser.error(f"--variant wants NAME=PATH, got {spec!r}")
     variants[name] = load_module(name, path)
-  record = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.UTC).isoformat(),
-                commit=args.commit, command=" ".join(["PYTHONPATH=. python3", *sys.argv]), rows=[])
-  ceilings = measure_ceilings()
-  record.update(copy_tb_per_s=ceilings[0] / 1e12, matmul_tflops=ceilings[1] / 1e12)
+  record, ceilings = new_record(args.commit, rows=[])
   for point in [tuple(int(x) for x in p.split(",")) for p in args.points]:
     C, S, T, H = point
     num_splits = default_splits(*point)
@@ -56,7 +52,7 @@ def main():
       print(f"=== {name} {point}", file=sys.stderr, flush=True)
       fn = jax.jit(functools.partial(kernel_only, num_splits=num_splits,
                                      prefix_attention=module.mla_prefix_attention))
-      out, _ = fn(*arg_sets[0])
+      out = attn._merge_partials(*fn(*arg_sets[0]))  # compared merged: variants may split differently
       head_out = out if head_out is None else head_out
       row[f"{name}_rel_diff"] = float(jnp.linalg.norm(out - head_out) / jnp.linalg.norm(head_out))
       row[f"{name}_s"] = seconds_per_call(fn, arg_sets)
