@@ -10,7 +10,7 @@ both ceilings measured in the same run, % of floor and us/token; plus tile varia
 fused_moe_reference first. Timing: a jitted fori_loop of back-to-back calls (each call's output is the next
 call's input, routings rotate), median of repeats; the touched weights of one call exceed L2.
 
-GPU:  PYTHONPATH=. python3 scripts/bench_moe_gemm.py --out bench/results/moe_gemm_h200.json
+GPU:  PYTHONPATH=. python3 scripts/bench_moe_gemm.py --race mosaic --out bench/results/moe_gemm_h200.json
 CPU:  PYTHONPATH=. .venv/bin/python scripts/bench_moe_gemm.py --quick   (tiny shapes, interpret mode)
 """
 import argparse
