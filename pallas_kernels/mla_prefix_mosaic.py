@@ -46,7 +46,8 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 def split_steps(prefix_len, split, num_splits):
-  """(first key block, number of key blocks) of prefix split `split`; the Triton kernel splits the same way."""
+  """(first key block, number of key blocks) of prefix split `split` of num_splits (none from split
+  num_splits on); the Triton kernel splits the same way."""
   num_blocks = lax.div(prefix_len + BLOCK_K - 1, BLOCK_K)
   per_split = lax.div(num_blocks + num_splits - 1, num_splits)
   first = split * per_split
@@ -64,20 +65,24 @@ def tail_visibility_bits(tail_visible_CMT, num_rows):
   return lax.bitcast_convert_type(words, jnp.int32).transpose(0, 2, 1)
 
 
-def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, num_splits, qk_scale):
+def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, num_splits, qk_scale,
+                         split_counts=None):
   """float32 partials. q_CMD [C, M, 576] (q_lat | q_rope); cache [C, S_max, 576]; prefix_len [C];
   tail [C, T, 576]; tail_visible_CMT [C, M, T] bool: the tail rows each query row sees (last split only).
-  qk_scale: softmax scale times log2(e). Returns o [C, splits, M, 512] (normalised, 0 where a split saw
-  nothing) and lse [C, splits, M] (base 2, -inf where it saw nothing)."""
+  qk_scale: softmax scale times log2(e). split_counts [C] int32: the splits sequence c uses, at most
+  num_splits (default num_splits each); its last one takes the tail, the rest see nothing. Returns o
+  [C, num_splits, M, 512] (normalised, 0 where a split saw nothing) and lse [C, num_splits, M] (base 2, -inf
+  where it saw nothing)."""
   f32, hi = jnp.float32, lax.Precision.HIGHEST
   C, M, _ = q_CMD.shape
+  counts = jnp.full((C,), num_splits, jnp.int32) if split_counts is None else split_counts
   keys = jnp.concatenate([cache, tail], axis=1).astype(f32)
   s_CMK = jnp.einsum("cmd,ckd->cmk", q_CMD.astype(f32), keys, precision=hi) * qk_scale
   key_block = jnp.arange(cache.shape[1]) // BLOCK_K
-  first, steps = jax.vmap(lambda n: split_steps(n, jnp.arange(num_splits), num_splits))(prefix_len)
+  first, steps = jax.vmap(lambda n, count: split_steps(n, jnp.arange(num_splits), count))(prefix_len, counts)
   in_split_CNS = ((key_block >= first[..., None]) & (key_block < (first + steps)[..., None])
                   & (jnp.arange(cache.shape[1]) < prefix_len[:, None, None]))
-  last = (jnp.arange(num_splits) == num_splits - 1)[None, :, None, None]
+  last = (jnp.arange(num_splits) == counts[:, None] - 1)[:, :, None, None]
   visible_CNMK = jnp.concatenate([jnp.broadcast_to(in_split_CNS[:, :, None, :], (C, num_splits, M, cache.shape[1])),
                                   last & tail_visible_CMT[:, None]], axis=-1)
   s_CNMK = jnp.where(visible_CNMK, s_CMK[:, None], -jnp.inf)
@@ -101,14 +106,14 @@ def _accumulate(acc, issue_dots, interpret):
   return pl.run_state(issue_dots)(plgpu.ACC.init(acc))
 
 
-def _kernel(prefix_len_ref, cache_seq_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref, q_and_out, kv_smem,
-            p_smem, row_smem, q_bar, bits_bar, kv_bars, consumed_bars, row_bar, p_bar, *, num_splits,
+def _kernel(prefix_len_ref, cache_seq_ref, split_count_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
+            q_and_out, kv_smem, p_smem, row_smem, q_bar, bits_bar, kv_bars, consumed_bars, row_bar, p_bar, *,
             num_tail, qk_scale, interpret):
   m_blk, split, c, wg = (lax.axis_index(n) for n in ("m", "split", "c", "wg"))
   q_smem, (o_stage, lse_smem) = q_and_out
   bits_smem = row_smem.at[pl.ds(2, row_smem.shape[0] - 2)]  # the tail's visibility words, as float32 bits
   rows = pl.ds(pl.multiple_of(m_blk * BLOCK_M, BLOCK_M), BLOCK_M)  # TMA tiling needs the alignment proven
-  prefix_len, seq = prefix_len_ref[c], cache_seq_ref[c]
+  prefix_len, seq, num_splits = prefix_len_ref[c], cache_seq_ref[c], split_count_ref[c]
   first, steps = split_steps(prefix_len, split, num_splits)  # key blocks [0, steps) come from the cache
   tail_steps = jnp.where(split == num_splits - 1, tail_ref.shape[1] // BLOCK_K, 0)  # then the tail's blocks
   total = steps + tail_steps
@@ -223,13 +228,17 @@ def _kernel(prefix_len_ref, cache_seq_ref, q_ref, cache_ref, tail_ref, bits_ref,
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    for j in range(HALF_R // EPI_N):
-      slot = j % 2
-      if j >= 2:
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-      o_stage[w, slot] = out[:, j * EPI_N:(j + 1) * EPI_N]
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_stage.at[w, slot], o_ref.at[c, split, rows, pl.ds(w * HALF_R + j * EPI_N, EPI_N)])
+
+    @pl.when(total > 0)  # a split without keys leaves o unwritten: its lse of -inf tells the merge
+    def _():
+      for j in range(HALF_R // EPI_N):
+        slot = j % 2
+        if j >= 2:
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        o_stage[w, slot] = out[:, j * EPI_N:(j + 1) * EPI_N]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_stage.at[w, slot],
+                                o_ref.at[c, split, rows, pl.ds(w * HALF_R + j * EPI_N, EPI_N)])
     if w == 0:
       lse_smem[...] = jnp.where(seen, m + jnp.log2(l_safe), -jnp.inf)
       plgpu.commit_smem()
@@ -249,11 +258,12 @@ def tiled_smem(shape, dtype, row_bytes):
 
 @functools.partial(jax.jit, static_argnames=["num_splits", "qk_scale", "interpret"])
 def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, num_splits: int, qk_scale: float,
-                         cache_seq=None, interpret: bool = False):
+                         split_counts=None, cache_seq=None, interpret: bool = False):
   """Split partials on the GPU; arguments and results as in `mla_prefix_reference` (bf16 q, cache and tail,
-  R = 512, P = 64). cache_seq [C] int32: the cache row holding sequence c (default c; `tree_mla_attention`
-  passes layer * C + c into a layer stack viewed as [L*C, S_max, 576]). `interpret` runs Mosaic GPU's
-  interpreter (CPU tests)."""
+  R = 512, P = 64), except that o is unspecified where lse is -inf in a split without keys. split_counts [C]
+  int32 is clipped to [1, num_splits] (every count covers all keys). cache_seq [C] int32: the cache row holding
+  sequence c (default c; `tree_mla_attention` passes layer * C + c into a layer stack viewed as
+  [L*C, S_max, 576]). `interpret` runs Mosaic GPU's interpreter (CPU tests)."""
   C, M, D = q_CMD.shape
   T = tail.shape[1]
   if tail.shape != (C, T, D) or tail.dtype != jnp.bfloat16:
@@ -261,8 +271,9 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
   if tail_visible_CMT.shape != (C, M, T) or tail_visible_CMT.dtype != jnp.bool_:
     raise ValueError(f"tail_visible must be bool [C, M, T] = [{C}, {M}, {T}], "
                      f"got {tail_visible_CMT.dtype}{tail_visible_CMT.shape}")
-  if cache_seq is not None and cache_seq.shape != (C,):
-    raise ValueError(f"cache_seq must be [C] = [{C}], got {cache_seq.shape}")
+  for name, per_seq in (("cache_seq", cache_seq), ("split_counts", split_counts)):
+    if per_seq is not None and per_seq.shape != (C,):
+      raise ValueError(f"{name} must be [C] = [{C}], got {per_seq.shape}")
   if D != LAT_DIM + ROPE_DIM or cache.shape[-1] != D or (cache_seq is None and cache.shape[0] != C):
     raise ValueError(f"q [C, M, {LAT_DIM + ROPE_DIM}] and cache [C, S_max, {LAT_DIM + ROPE_DIM}] expected, "
                      f"got {q_CMD.shape} and {cache.shape}")
@@ -293,7 +304,7 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
       plgpu.Barrier(num_arrivals=2),  # p_bar
   ]
   kernel = plgpu.kernel(
-      functools.partial(_kernel, num_splits=num_splits, num_tail=T, qk_scale=qk_scale, interpret=interpret),
+      functools.partial(_kernel, num_tail=T, qk_scale=qk_scale, interpret=interpret),
       out_type=(jax.ShapeDtypeStruct((C, num_splits, M, LAT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)),
       scratch_types=scratch,
@@ -305,4 +316,6 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
   )
   if cache_seq is None:
     cache_seq = jnp.arange(C, dtype=jnp.int32)
-  return kernel(prefix_len.astype(jnp.int32), cache_seq.astype(jnp.int32), q_CMD, cache, tail, bits)
+  split_counts = jnp.full((C,), num_splits) if split_counts is None else jnp.clip(split_counts, 1, num_splits)
+  return kernel(prefix_len.astype(jnp.int32), cache_seq.astype(jnp.int32), split_counts.astype(jnp.int32), q_CMD,
+                cache, tail, bits)

@@ -18,6 +18,7 @@ repeat the score MMA in both warpgroups and is the default where it fits (1.7x f
 the H200, bench/verify_attn.md).
 """
 import functools
+import heapq
 import math
 
 import jax
@@ -230,7 +231,7 @@ def _merge_partials(o_CNMR, lse_CNM, o_tail_CMR=None, lse_tail_CM=None):
   m_CM = jnp.where(jnp.isfinite(m_CM), m_CM, 0.0)
   w_CNM = jnp.exp2(lse_CNM - m_CM[:, None])
   w_sum_CM = jnp.sum(w_CNM, axis=1)
-  o_CMR = jnp.sum(w_CNM[..., None] * o_CNMR, axis=1)
+  o_CMR = jnp.sum(jnp.where(w_CNM[..., None] > 0, w_CNM[..., None] * o_CNMR, 0.0), axis=1)  # o: any where lse = -inf
   if o_tail_CMR is not None:
     w_tail_CM = jnp.exp2(lse_tail_CM - m_CM)
     w_sum_CM += w_tail_CM
@@ -260,6 +261,38 @@ def choose_num_splits(num_programs, num_key_blocks, resident_programs):
   return min(range(1, max(1, pl.cdiv(num_key_blocks, 4)) + 1), key=cost)
 
 
+def list_schedule_makespan(program_sizes, resident_programs):
+  """When the last of the programs (sizes in launch order) ends if each starts on the first free slot of
+  resident_programs (how the GPU hands out CTAs)."""
+  free_at = [0] * resident_programs
+  for size in program_sizes:
+    heapq.heappush(free_at, heapq.heappop(free_at) + size)
+  return max(free_at)
+
+
+def choose_split_counts(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks, resident_programs):
+  """Prefix splits per sequence (a tuple of num_seqs counts) for the Mosaic kernel, whose grid launches the
+  m blocks of a split, then the splits of a sequence, then the sequences. Candidates: every sequence at n
+  splits, or the last j at n + 1 (their shorter programs fill the last wave's gaps), n around
+  `choose_num_splits`'s pick; the winner has the least list-schedule makespan of programs costing their key
+  blocks (the last split's tail blocks included) plus `_SPLIT_OVERHEAD_BLOCKS`, then the fewest programs.
+  At C=8/32K/T=65/H=8 three splits for four sequences and four for the rest: a modelled makespan of 334
+  blocks against 357 for five each (three waves, the last 70% full)."""
+  def program_sizes(counts):
+    for count in counts:
+      per_split = pl.cdiv(num_key_blocks, count)
+      for split in range(count):
+        blocks = min(max(num_key_blocks - split * per_split, 0), per_split)
+        blocks += num_tail_blocks if split == count - 1 else 0
+        yield from [blocks + _SPLIT_OVERHEAD_BLOCKS if blocks else 1] * num_m_blocks
+
+  uniform = choose_num_splits(num_seqs * num_m_blocks, num_key_blocks, resident_programs)
+  candidates = {(n,) * (num_seqs - j) + (n + 1,) * j for n in range(max(1, uniform // 2), uniform + 1)
+                for j in range(num_seqs)}
+  return min(candidates, key=lambda counts: (list_schedule_makespan(program_sizes(counts), resident_programs),
+                                             sum(counts)))
+
+
 PREFIX_KERNELS = ("auto", "triton", "mosaic")
 
 
@@ -279,14 +312,17 @@ def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, tail,
   and the padding cut off again. prefix_attention: the kernel (another version of it in A/B races)."""
   C, M, _ = q_lat_CMR.shape
   T = tail.shape[1]
+  block_m, block_k = mla_prefix_mosaic.BLOCK_M, mla_prefix_mosaic.BLOCK_K
+  split_counts = None
   if num_splits is None:
-    num_splits = choose_num_splits(C * pl.cdiv(M, mla_prefix_mosaic.BLOCK_M),
-                                   pl.cdiv(cache.shape[1], mla_prefix_mosaic.BLOCK_K), _NUM_SMS)
-  pad = [(0, 0), (0, pl.cdiv(M, mla_prefix_mosaic.BLOCK_M) * mla_prefix_mosaic.BLOCK_M - M), (0, 0)]
+    counts = choose_split_counts(pl.cdiv(M, block_m), C, pl.cdiv(cache.shape[1], block_k), pl.cdiv(T, block_k),
+                                 _NUM_SMS)
+    num_splits, split_counts = max(counts), jnp.asarray(counts, jnp.int32)
+  pad = [(0, 0), (0, pl.cdiv(M, block_m) * block_m - M), (0, 0)]
   q_CMD = jnp.pad(jnp.concatenate([q_lat_CMR, q_rope_CMP], axis=-1), pad)
   tail_visible_CMT = jnp.pad(jnp.repeat(visibility, M // T, axis=1), pad[:2] + [(0, 0)])  # row t * H + h: token t
   o, lse = prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, num_splits=num_splits,
-                            qk_scale=qk_scale, cache_seq=cache_seq, interpret=interpret)
+                            split_counts=split_counts, qk_scale=qk_scale, cache_seq=cache_seq, interpret=interpret)
   return o[:, :, :M], lse[:, :, :M]
 
 

@@ -10,7 +10,8 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, Mesh, use_abstract_mesh
 
 from k26jax import ddtree
-from pallas_kernels.tree_mla_attention import (choose_num_splits, tree_mla_attention, tree_mla_attention_reference,
+from pallas_kernels.tree_mla_attention import (_merge_partials, choose_num_splits, choose_split_counts,
+                                               list_schedule_makespan, tree_mla_attention, tree_mla_attention_reference,
                                                tree_mla_attention_sharded)
 
 R, P = 64, 16  # the tiny model's latent / rope widths
@@ -215,3 +216,31 @@ def test_choose_num_splits_avoids_a_mostly_idle_wave(programs, key_blocks, resid
     waves = -(-programs * splits // resident)
     assert programs * splits > (waves - 1) * resident + resident // 2 or waves == 1
 
+
+
+def test_list_schedule_makespan():
+    assert list_schedule_makespan([], 4) == 0
+    assert list_schedule_makespan([5, 5, 5], 2) == 10
+    assert list_schedule_makespan([7, 2, 2, 2, 2], 2) == 8  # the short ones fill the slot beside the long one
+
+
+@pytest.mark.parametrize("m_blocks,C,key_blocks,tail_blocks,want", [
+    (9, 8, 512, 2, (3, 3, 3, 3, 4, 4, 4, 4)),  # C=8/32K/T=65/H=8: 261 programs in two waves, not 360 in three
+    (1, 8, 512, 1, (16,) * 8),                 # decode at 64 heads: one wave either way
+    (65, 8, 512, 2, (1,) * 8),                 # C=8 verify at 64 heads: 520 programs, already four waves
+])
+def test_choose_split_counts(m_blocks, C, key_blocks, tail_blocks, want):
+    counts = choose_split_counts(m_blocks, C, key_blocks, tail_blocks, 132)
+    assert counts == want
+    uniform = choose_num_splits(C * m_blocks, key_blocks, 132)
+    assert len(counts) == C and min(counts) >= max(1, uniform // 2) and max(counts) <= uniform + 1
+
+
+def test_merge_ignores_the_output_of_splits_without_keys():
+    """o of a split whose lse is -inf is whatever the buffer held (the Mosaic kernel skips its store)."""
+    rng = np.random.default_rng(3)
+    o = jnp.asarray(rng.standard_normal((2, 3, 4, 8)), jnp.float32)
+    lse = jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.float32).at[:, 1].set(-jnp.inf)
+    garbage = o.at[:, 1].set(jnp.nan)
+    np.testing.assert_array_equal(_merge_partials(garbage, lse), _merge_partials(o, lse))
+    assert np.isfinite(np.asarray(_merge_partials(garbage, lse))).all()
