@@ -308,7 +308,9 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
       out_type=(jax.ShapeDtypeStruct((C, num_splits, M, LAT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)),
       scratch_types=scratch,
-      grid=(pl.cdiv(M, BLOCK_M), num_splits, C), grid_names=("m", "split", "c"),
+      # the last grid axis is CUDA's x, launched fastest: a split's row tiles run side by side (its keys stay in
+      # L2), then the splits, then the sequences (`choose_split_counts` models this order)
+      grid=(C, num_splits, pl.cdiv(M, BLOCK_M)), grid_names=("c", "split", "m"),
       num_threads=3, thread_name="wg",
       # the row reductions stay within a thread quad, so no cross-warp reduction scratch is reserved
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),

@@ -272,7 +272,7 @@ def list_schedule_makespan(program_sizes, resident_programs):
 
 def choose_split_counts(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks, resident_programs):
   """Prefix splits per sequence (a tuple of num_seqs counts) for the Mosaic kernel, whose grid launches the
-  m blocks of a split, then the splits of a sequence, then the sequences. Candidates: every sequence at n
+  m blocks of a split, then the splits of a sequence, then the sequences (m fastest). Candidates: every sequence at n
   splits, or the last j at n + 1 (their shorter programs fill the last wave's gaps), n around
   `choose_num_splits`'s pick; the winner has the least list-schedule makespan of programs costing their key
   blocks (the last split's tail blocks included) plus `_SPLIT_OVERHEAD_BLOCKS`, then the fewest programs.
