@@ -1,11 +1,11 @@
 """Tree MLA attention as a warp-specialised Mosaic GPU kernel (Hopper, bf16): the prefix splits, the last of
 which also takes the tree tail.
 
-For each sequence c, prefix split and 64-row tile of the T*H query rows, attend over that split's cache rows
-(and, in the last split, over the tail rows each query row sees) and write the normalised partial output and
-its base-2 log-sum-exp; `tree_mla_attention` merges the splits (nothing to merge with one split). Doing the
-tail here instead of in a second kernel saves its launch, its partial output and a merge operand: 10-36% of
-the whole call at small and mid sizes (bench/verify_attn.md, run 7).
+For each sequence c, prefix split (a count per sequence) and 64-row tile of the T*H query rows, attend over
+that split's cache rows (and, in the last split, over the tail rows each query row sees) and write the
+normalised partial output and its base-2 log-sum-exp; `tree_mla_attention` merges the splits (nothing to merge
+with one split). Doing the tail here instead of in a second kernel saves its launch, its partial output and a
+merge operand: 10-36% of the whole call at small and mid sizes (bench/verify_attn.md, run 7).
 
 Why a second backend: with a 576-wide key and a 512-wide value a 64-row tile needs a 64 x 512 fp32
 accumulator, so two warpgroups must share the rows and split the value columns. Triton then makes both
@@ -108,12 +108,14 @@ def _accumulate(acc, issue_dots, interpret):
 
 def _kernel(prefix_len_ref, cache_seq_ref, split_count_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
             q_and_out, kv_smem, p_smem, row_smem, q_bar, bits_bar, kv_bars, consumed_bars, row_bar, p_bar, *,
-            num_tail, qk_scale, interpret):
+            uniform_splits, num_tail, qk_scale, interpret):
   m_blk, split, c, wg = (lax.axis_index(n) for n in ("m", "split", "c", "wg"))
   q_smem, (o_stage, lse_smem) = q_and_out
   bits_smem = row_smem.at[pl.ds(2, row_smem.shape[0] - 2)]  # the tail's visibility words, as float32 bits
   rows = pl.ds(pl.multiple_of(m_blk * BLOCK_M, BLOCK_M), BLOCK_M)  # TMA tiling needs the alignment proven
-  prefix_len, seq, num_splits = prefix_len_ref[c], cache_seq_ref[c], split_count_ref[c]
+  prefix_len, seq = prefix_len_ref[c], cache_seq_ref[c]
+  # a static count folds the split arithmetic: read per sequence, it costs 64-head shapes 400-800 B of spills
+  num_splits = uniform_splits or split_count_ref[c]
   first, steps = split_steps(prefix_len, split, num_splits)  # key blocks [0, steps) come from the cache
   tail_steps = jnp.where(split == num_splits - 1, tail_ref.shape[1] // BLOCK_K, 0)  # then the tail's blocks
   total = steps + tail_steps
@@ -228,17 +230,13 @@ def _kernel(prefix_len_ref, cache_seq_ref, split_count_ref, q_ref, cache_ref, ta
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-
-    @pl.when(total > 0)  # a split without keys leaves o unwritten: its lse of -inf tells the merge
-    def _():
-      for j in range(HALF_R // EPI_N):
-        slot = j % 2
-        if j >= 2:
-          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        o_stage[w, slot] = out[:, j * EPI_N:(j + 1) * EPI_N]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_stage.at[w, slot],
-                                o_ref.at[c, split, rows, pl.ds(w * HALF_R + j * EPI_N, EPI_N)])
+    for j in range(HALF_R // EPI_N):
+      slot = j % 2
+      if j >= 2:
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      o_stage[w, slot] = out[:, j * EPI_N:(j + 1) * EPI_N]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_stage.at[w, slot], o_ref.at[c, split, rows, pl.ds(w * HALF_R + j * EPI_N, EPI_N)])
     if w == 0:
       lse_smem[...] = jnp.where(seen, m + jnp.log2(l_safe), -jnp.inf)
       plgpu.commit_smem()
@@ -260,10 +258,9 @@ def tiled_smem(shape, dtype, row_bytes):
 def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, num_splits: int, qk_scale: float,
                          split_counts=None, cache_seq=None, interpret: bool = False):
   """Split partials on the GPU; arguments and results as in `mla_prefix_reference` (bf16 q, cache and tail,
-  R = 512, P = 64), except that o is unspecified where lse is -inf in a split without keys. split_counts [C]
-  int32 is clipped to [1, num_splits] (every count covers all keys). cache_seq [C] int32: the cache row holding
-  sequence c (default c; `tree_mla_attention` passes layer * C + c into a layer stack viewed as
-  [L*C, S_max, 576]). `interpret` runs Mosaic GPU's interpreter (CPU tests)."""
+  R = 512, P = 64). split_counts [C] int32 is clipped to [1, num_splits] (every count covers all keys).
+  cache_seq [C] int32: the cache row holding sequence c (default c; `tree_mla_attention` passes layer * C + c
+  into a layer stack viewed as [L*C, S_max, 576]). `interpret` runs Mosaic GPU's interpreter (CPU tests)."""
   C, M, D = q_CMD.shape
   T = tail.shape[1]
   if tail.shape != (C, T, D) or tail.dtype != jnp.bfloat16:
@@ -304,7 +301,8 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
       plgpu.Barrier(num_arrivals=2),  # p_bar
   ]
   kernel = plgpu.kernel(
-      functools.partial(_kernel, num_tail=T, qk_scale=qk_scale, interpret=interpret),
+      functools.partial(_kernel, uniform_splits=num_splits if split_counts is None else None, num_tail=T,
+                        qk_scale=qk_scale, interpret=interpret),
       out_type=(jax.ShapeDtypeStruct((C, num_splits, M, LAT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)),
       scratch_types=scratch,
@@ -318,6 +316,6 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
   )
   if cache_seq is None:
     cache_seq = jnp.arange(C, dtype=jnp.int32)
-  split_counts = jnp.full((C,), num_splits) if split_counts is None else jnp.clip(split_counts, 1, num_splits)
-  return kernel(prefix_len.astype(jnp.int32), cache_seq.astype(jnp.int32), split_counts.astype(jnp.int32), q_CMD,
-                cache, tail, bits)
+  counts = jnp.full((C,), num_splits) if split_counts is None else jnp.clip(split_counts, 1, num_splits)
+  return kernel(prefix_len.astype(jnp.int32), cache_seq.astype(jnp.int32), counts.astype(jnp.int32), q_CMD, cache,
+                tail, bits)

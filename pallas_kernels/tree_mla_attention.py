@@ -231,7 +231,7 @@ def _merge_partials(o_CNMR, lse_CNM, o_tail_CMR=None, lse_tail_CM=None):
   m_CM = jnp.where(jnp.isfinite(m_CM), m_CM, 0.0)
   w_CNM = jnp.exp2(lse_CNM - m_CM[:, None])
   w_sum_CM = jnp.sum(w_CNM, axis=1)
-  o_CMR = jnp.sum(jnp.where(w_CNM[..., None] > 0, w_CNM[..., None] * o_CNMR, 0.0), axis=1)  # o: any where lse = -inf
+  o_CMR = jnp.sum(w_CNM[..., None] * o_CNMR, axis=1)
   if o_tail_CMR is not None:
     w_tail_CM = jnp.exp2(lse_tail_CM - m_CM)
     w_sum_CM += w_tail_CM
@@ -272,12 +272,13 @@ def list_schedule_makespan(program_sizes, resident_programs):
 
 def choose_split_counts(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks, resident_programs):
   """Prefix splits per sequence (a tuple of num_seqs counts) for the Mosaic kernel, whose grid launches the
-  m blocks of a split, then the splits of a sequence, then the sequences (m fastest). Candidates: every sequence at n
+  m blocks of a split, then the splits of a sequence, then the sequences. Candidates: every sequence at n
   splits, or the last j at n + 1 (their shorter programs fill the last wave's gaps), n around
   `choose_num_splits`'s pick; the winner has the least list-schedule makespan of programs costing their key
   blocks (the last split's tail blocks included) plus `_SPLIT_OVERHEAD_BLOCKS`, then the fewest programs.
-  At C=8/32K/T=65/H=8 three splits for four sequences and four for the rest: a modelled makespan of 334
-  blocks against 357 for five each (three waves, the last 70% full)."""
+  Like every split choice here it assumes full caches (S_max keys a sequence).
+  C=8/32K/T=65/H=8: 3 splits for four sequences and 4 for the rest, a modelled 334 blocks against 357 for
+  5 each (three waves, the last 70% full); measured 6% faster (bench/verify_attn.md, runs 17-20)."""
   def program_sizes(counts):
     for count in counts:
       per_split = pl.cdiv(num_key_blocks, count)
@@ -317,7 +318,8 @@ def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, tail,
   if num_splits is None:
     counts = choose_split_counts(pl.cdiv(M, block_m), C, pl.cdiv(cache.shape[1], block_k), pl.cdiv(T, block_k),
                                  _NUM_SMS)
-    num_splits, split_counts = max(counts), jnp.asarray(counts, jnp.int32)
+    num_splits = max(counts)
+    split_counts = jnp.asarray(counts, jnp.int32) if min(counts) < num_splits else None
   pad = [(0, 0), (0, pl.cdiv(M, block_m) * block_m - M), (0, 0)]
   q_CMD = jnp.pad(jnp.concatenate([q_lat_CMR, q_rope_CMP], axis=-1), pad)
   tail_visible_CMT = jnp.pad(jnp.repeat(visibility, M // T, axis=1), pad[:2] + [(0, 0)])  # row t * H + h: token t
