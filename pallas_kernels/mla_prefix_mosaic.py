@@ -23,10 +23,11 @@ Each warpgroup keeps the running sum of its own keys' probabilities; the two are
 Tail blocks come from the tail rows (padded to whole blocks); which of them a query row sees comes as one
 32-bit word per row and half block (`tail_visibility_bits`), tested bit by bit against the key column.
 
-FlashMLA's "seesaw" schedule (each warpgroup scores whole blocks in turn) was built on branch `seesaw` and
-measured 2.0-2.4x slower here: it spills registers (bench/verify_attn.md, runs 11-13). Balanced key ranges
-over the whole batch (FlashMLA's tile scheduler; branch `balanced`) measured 3-9% faster at the 8-head verify
-shapes but 1-5% slower at 64 heads, again from spills (runs 14-16).
+FlashMLA's "seesaw" schedule (each warpgroup scores whole blocks in turn) measured 2.0-2.4x slower here: it
+spills registers (bench/verify_attn.md, runs 11-13). Balanced key ranges over the whole batch (FlashMLA's tile
+scheduler) measured 3-9% faster at the 8-head verify shapes but 1-5% slower at 64 heads, again from spills
+(runs 14-16); per-sequence split counts (runs 17-21) take most of that gain without touching the key loop.
+Neither branch survived into this repository's history.
 """
 import functools
 
