@@ -278,7 +278,7 @@ def choose_split_counts(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks,
   blocks (the last split's tail blocks included) plus `_SPLIT_OVERHEAD_BLOCKS`, then the fewest programs.
   Like every split choice here it assumes full caches (S_max keys a sequence).
   C=8/32K/T=65/H=8: 3 splits for four sequences and 4 for the rest, a modelled 334 blocks against 357 for
-  5 each (three waves, the last 70% full); measured 6% faster (bench/verify_attn.md, runs 17-20)."""
+  5 each (three waves, the last 70% full); measured 6% faster (bench/verify_attn.md, runs 17-21)."""
   def program_sizes(counts):
     for count in counts:
       per_split = pl.cdiv(num_key_blocks, count)
@@ -339,8 +339,8 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
 
   Knobs: block_m query rows (tree token x head) per tile, clamped to T*H (at least 16); block_k
   prefix keys per step; block_r width of the latent chunks (default 256 for 64-row tiles, else R);
-  num_splits prefix ranges per sequence (default: `choose_num_splits`, with one program per SM resident
-  for 64-row tiles and two for 16-row tiles); num_warps (default 8 for block_m >= 64, else 4) and
+  num_splits prefix ranges per sequence (default: Mosaic `choose_split_counts`, a count per sequence;
+  Triton `choose_num_splits`, with one program per SM resident for 64-row tiles and two for 16-row tiles); num_warps (default 8 for block_m >= 64, else 4) and
   num_stages for Triton. prefix_kernel: "triton" (the kernel below), "mosaic" (`mla_prefix_mosaic`,
   warp-specialised; see `mosaic_prefix_fits`; block_m / block_k / block_r / warps / stages do not apply)
   or "auto": mosaic where it fits, T*H > 16 and the GPU is a Hopper (`arch.has_wgmma`), else triton.
