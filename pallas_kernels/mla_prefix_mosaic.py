@@ -66,17 +66,25 @@ def tail_visibility_bits(tail_visible_CMT, num_rows):
   return lax.bitcast_convert_type(words, jnp.int32).transpose(0, 2, 1)
 
 
-def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, num_splits, qk_scale,
-                         split_counts=None):
+def split_counts(num_splits, num_seqs):
+  """num_splits (one count for every sequence, or a tuple of num_seqs counts) -> a tuple of num_seqs counts."""
+  counts = (num_splits,) * num_seqs if isinstance(num_splits, int) else tuple(num_splits)
+  if len(counts) != num_seqs or min(counts) < 1:
+    raise ValueError(f"num_splits must be a count >= 1 or {num_seqs} of them (one a sequence), got {num_splits}")
+  return counts
+
+
+def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, num_splits, qk_scale):
   """float32 partials. q_CMD [C, M, 576] (q_lat | q_rope); cache [C, S_max, 576]; prefix_len [C];
   tail [C, T, 576]; tail_visible_CMT [C, M, T] bool: the tail rows each query row sees (last split only).
-  qk_scale: softmax scale times log2(e). split_counts [C] int32: the splits sequence c uses, at most
-  num_splits (default num_splits each); its last one takes the tail, the rest see nothing. Returns o
-  [C, num_splits, M, 512] (normalised, 0 where a split saw nothing) and lse [C, num_splits, M] (base 2, -inf
-  where it saw nothing)."""
+  qk_scale: softmax scale times log2(e). num_splits: the prefix splits of every sequence, or a tuple with
+  each sequence's; a sequence's last split takes the tail, those past it see nothing. Returns o [C, N, M, 512]
+  (normalised, 0 where a split saw nothing) and lse [C, N, M] (base 2, -inf where it saw nothing), N the
+  largest count."""
   f32, hi = jnp.float32, lax.Precision.HIGHEST
   C, M, _ = q_CMD.shape
-  counts = jnp.full((C,), num_splits, jnp.int32) if split_counts is None else split_counts
+  counts = split_counts(num_splits, C)
+  num_splits, counts = max(counts), jnp.asarray(counts, jnp.int32)
   keys = jnp.concatenate([cache, tail], axis=1).astype(f32)
   s_CMK = jnp.einsum("cmd,ckd->cmk", q_CMD.astype(f32), keys, precision=hi) * qk_scale
   key_block = jnp.arange(cache.shape[1]) // BLOCK_K
@@ -256,12 +264,12 @@ def tiled_smem(shape, dtype, row_bytes):
 
 
 @functools.partial(jax.jit, static_argnames=["num_splits", "qk_scale", "interpret"])
-def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, num_splits: int, qk_scale: float,
-                         split_counts=None, cache_seq=None, interpret: bool = False):
+def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, num_splits: int | tuple[int, ...],
+                         qk_scale: float, cache_seq=None, interpret: bool = False):
   """Split partials on the GPU; arguments and results as in `mla_prefix_reference` (bf16 q, cache and tail,
-  R = 512, P = 64). split_counts [C] int32 is clipped to [1, num_splits] (every count covers all keys).
-  cache_seq [C] int32: the cache row holding sequence c (default c; `tree_mla_attention` passes layer * C + c
-  into a layer stack viewed as [L*C, S_max, 576]). `interpret` runs Mosaic GPU's interpreter (CPU tests)."""
+  R = 512, P = 64). cache_seq [C] int32: the cache row holding sequence c (default c; `tree_mla_attention`
+  passes layer * C + c into a layer stack viewed as [L*C, S_max, 576]). `interpret` runs Mosaic GPU's
+  interpreter (CPU tests)."""
   C, M, D = q_CMD.shape
   T = tail.shape[1]
   if tail.shape != (C, T, D) or tail.dtype != jnp.bfloat16:
@@ -269,9 +277,9 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
   if tail_visible_CMT.shape != (C, M, T) or tail_visible_CMT.dtype != jnp.bool_:
     raise ValueError(f"tail_visible must be bool [C, M, T] = [{C}, {M}, {T}], "
                      f"got {tail_visible_CMT.dtype}{tail_visible_CMT.shape}")
-  for name, per_seq in (("cache_seq", cache_seq), ("split_counts", split_counts)):
-    if per_seq is not None and per_seq.shape != (C,):
-      raise ValueError(f"{name} must be [C] = [{C}], got {per_seq.shape}")
+  if cache_seq is not None and cache_seq.shape != (C,):
+    raise ValueError(f"cache_seq must be [C] = [{C}], got {cache_seq.shape}")
+  counts = split_counts(num_splits, C)
   if D != LAT_DIM + ROPE_DIM or cache.shape[-1] != D or (cache_seq is None and cache.shape[0] != C):
     raise ValueError(f"q [C, M, {LAT_DIM + ROPE_DIM}] and cache [C, S_max, {LAT_DIM + ROPE_DIM}] expected, "
                      f"got {q_CMD.shape} and {cache.shape}")
@@ -302,14 +310,14 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
       plgpu.Barrier(num_arrivals=2),  # p_bar
   ]
   kernel = plgpu.kernel(
-      functools.partial(_kernel, uniform_splits=num_splits if split_counts is None else None, num_tail=T,
+      functools.partial(_kernel, uniform_splits=counts[0] if len(set(counts)) == 1 else None, num_tail=T,
                         qk_scale=qk_scale, interpret=interpret),
-      out_type=(jax.ShapeDtypeStruct((C, num_splits, M, LAT_DIM), jnp.float32),
-                jax.ShapeDtypeStruct((C, num_splits, M), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((C, max(counts), M, LAT_DIM), jnp.float32),
+                jax.ShapeDtypeStruct((C, max(counts), M), jnp.float32)),
       scratch_types=scratch,
       # the last grid axis is CUDA's x, launched fastest: a split's row tiles run side by side (its keys stay in
       # L2), then the splits, then the sequences (`choose_split_counts` models this order)
-      grid=(C, num_splits, pl.cdiv(M, BLOCK_M)), grid_names=("c", "split", "m"),
+      grid=(C, max(counts), pl.cdiv(M, BLOCK_M)), grid_names=("c", "split", "m"),
       num_threads=3, thread_name="wg",
       # the row reductions stay within a thread quad, so no cross-warp reduction scratch is reserved
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
@@ -317,6 +325,5 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
   )
   if cache_seq is None:
     cache_seq = jnp.arange(C, dtype=jnp.int32)
-  counts = jnp.full((C,), num_splits) if split_counts is None else jnp.clip(split_counts, 1, num_splits)
-  return kernel(prefix_len.astype(jnp.int32), cache_seq.astype(jnp.int32), counts.astype(jnp.int32), q_CMD, cache,
-                tail, bits)
+  return kernel(prefix_len.astype(jnp.int32), cache_seq.astype(jnp.int32), jnp.asarray(counts, jnp.int32), q_CMD,
+                cache, tail, bits)

@@ -294,6 +294,13 @@ def choose_split_counts(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks,
                                              sum(counts)))
 
 
+def mosaic_split_counts(C, M, S_max, T):
+  """`choose_split_counts` for `mla_prefix_mosaic`'s tiles: C sequences of M query rows, S_max cache rows and
+  T tail rows each."""
+  block_m, block_k = mla_prefix_mosaic.BLOCK_M, mla_prefix_mosaic.BLOCK_K
+  return choose_split_counts(pl.cdiv(M, block_m), C, pl.cdiv(S_max, block_k), pl.cdiv(T, block_k), _NUM_SMS)
+
+
 PREFIX_KERNELS = ("auto", "triton", "mosaic")
 
 
@@ -313,18 +320,13 @@ def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, tail,
   and the padding cut off again. prefix_attention: the kernel (another version of it in A/B races)."""
   C, M, _ = q_lat_CMR.shape
   T = tail.shape[1]
-  block_m, block_k = mla_prefix_mosaic.BLOCK_M, mla_prefix_mosaic.BLOCK_K
-  split_counts = None
-  if num_splits is None:
-    counts = choose_split_counts(pl.cdiv(M, block_m), C, pl.cdiv(cache.shape[1], block_k), pl.cdiv(T, block_k),
-                                 _NUM_SMS)
-    num_splits = max(counts)
-    split_counts = jnp.asarray(counts, jnp.int32) if min(counts) < num_splits else None
+  num_splits = num_splits or mosaic_split_counts(C, M, cache.shape[1], T)
+  block_m = mla_prefix_mosaic.BLOCK_M
   pad = [(0, 0), (0, pl.cdiv(M, block_m) * block_m - M), (0, 0)]
   q_CMD = jnp.pad(jnp.concatenate([q_lat_CMR, q_rope_CMP], axis=-1), pad)
   tail_visible_CMT = jnp.pad(jnp.repeat(visibility, M // T, axis=1), pad[:2] + [(0, 0)])  # row t * H + h: token t
   o, lse = prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, num_splits=num_splits,
-                            split_counts=split_counts, qk_scale=qk_scale, cache_seq=cache_seq, interpret=interpret)
+                            qk_scale=qk_scale, cache_seq=cache_seq, interpret=interpret)
   return o[:, :, :M], lse[:, :, :M]
 
 
@@ -339,9 +341,9 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
 
   Knobs: block_m query rows (tree token x head) per tile, clamped to T*H (at least 16); block_k
   prefix keys per step; block_r width of the latent chunks (default 256 for 64-row tiles, else R);
-  num_splits prefix ranges per sequence (default: Mosaic `choose_split_counts`, a count per sequence;
-  Triton `choose_num_splits`, with one program per SM resident for 64-row tiles and two for 16-row tiles); num_warps (default 8 for block_m >= 64, else 4) and
-  num_stages for Triton. prefix_kernel: "triton" (the kernel below), "mosaic" (`mla_prefix_mosaic`,
+  num_splits prefix ranges per sequence (default: Mosaic `mosaic_split_counts`, a count per sequence;
+  Triton `choose_num_splits`, with one program per SM resident for 64-row tiles and two for 16-row tiles);
+  num_warps (default 8 for block_m >= 64, else 4) and num_stages for Triton. prefix_kernel: "triton" (the kernel below), "mosaic" (`mla_prefix_mosaic`,
   warp-specialised; see `mosaic_prefix_fits`; block_m / block_k / block_r / warps / stages do not apply)
   or "auto": mosaic where it fits, T*H > 16 and the GPU is a Hopper (`arch.has_wgmma`), else triton.
   Defaults are the H200 tuning winners (bench/verify_attn.md): block_k 64, 2 stages, latent in 256-wide

@@ -31,9 +31,7 @@ POINTS = {  # (C, S, T, H): split counts to race besides the wrapper's choice
 
 def default_splits(C, S, T, H):
   """The wrapper's split count for each sequence (a tuple)."""
-  block_m, block_k = mla_prefix_mosaic.BLOCK_M, mla_prefix_mosaic.BLOCK_K
-  return attn.choose_split_counts(pl.cdiv(T * H, block_m), C, pl.cdiv(S, block_k), pl.cdiv(T, block_k),
-                                  attn._NUM_SMS)
+  return attn.mosaic_split_counts(C, T * H, S, T)
 
 
 def kernel_only(q_lat, q_rope, cache, prefix_len, tail, visibility, *, num_splits,
