@@ -206,10 +206,12 @@ def _unstash(ref, block_m):
     return load(ref)
 
 
-def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref, out_ref, w_smem, s_smem, x_smem,
-            a_smem, out_smem, up_smem, full_bars, empty_bars, up_full_bars, up_empty_bars, *, gate_up, block_m,
-            num_stages, interpret):
-    """Both GEMMs. x [rows, K] bf16 (P1-permuted); row block b reads x rows block_row[b] .. + block_m.
+def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, block_rows_ref, x_ref, w_ref, s_ref, out_ref, w_smem,
+            s_smem, x_smem, a_smem, out_smem, up_smem, full_bars, empty_bars, up_full_bars, up_empty_bars, *, gate_up,
+            block_m, widths, num_stages, interpret):
+    """Both GEMMs. x [rows, K] bf16 (P1-permuted); row block b reads x rows block_row[b] .. + block_m and
+    multiplies the first of them: the smallest of `widths` (ascending, the last block_m) that covers its
+    block_rows[b] valid rows. The other rows of its output slots are left as they are (padding, never read).
     gate_up: w [E, K/8, 2, N] int32, s [E, K/32, 2, N] bf16, out h [rows, N] bf16 (rows in slot order);
     down: w [E, K/8, N], s [E, K/32, N], out y [rows, N] (rows in slot order). Output rows are slots:
     b * block_m + [0, block_m). Compute warpgroup w multiplies weight tile w // 2 (gate / up, or the first /
@@ -272,7 +274,7 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
         o, half = divmod(w, 2)
         my_cols = pl.ds(half * WG_N, WG_N)
 
-        def mainloop(j, acc_ref):
+        def mainloop(j, width, acc_ref):
             @pl.loop(0, steps)
             def _step(k):
                 slot = lax.rem(j * steps + k, num_stages)
@@ -285,7 +287,7 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
                     words = plgpu.layout_cast(plgpu.load(tile, layout=plgpu.Layout._WGMMA_ACC_32BIT),
                                               plgpu.Layout.WGMMA)
                 for c in range(STAGE_CHUNKS):
-                    x_t = x_smem.at[slot, c].T
+                    x_t = x_smem.at[slot, c, pl.ds(0, width)].T
                     if interpret:
                         a_smem[w] = _dequant_chunk_jnp(words, scales, c)
                         plgpu.commit_smem()
@@ -301,38 +303,45 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
             return acc_ref[...]
 
         def store_rows(tile, ref, rows, cols, p1_order):
-            """tile [64 cols, bm] -> out_ref[rows, cols], through ref [bm, 64]."""
+            """tile [64 cols, width] -> out_ref[rows, cols] (its first width rows), through ref [bm, 64]."""
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read ref
             if interpret:
-                ref[...] = to_p1_order(tile.T) if p1_order else tile.T
+                ref[pl.ds(0, tile.shape[1])] = to_p1_order(tile.T) if p1_order else tile.T
             else:
                 _store_transposed(tile, ref, p1_order=p1_order)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(ref, out_ref.at[rows, cols])
 
-        @pl.loop(0, my_tiles)
-        def _tile(j):
-            b, n = tile_coords(j)
-            acc = pl.run_scoped(functools.partial(mainloop, j), plgpu.ACC((WG_N, block_m), jnp.float32))
+        def tile(j, b, n, width):
+            acc = pl.run_scoped(functools.partial(mainloop, j, width), plgpu.ACC((WG_N, width), jnp.float32))
             rows = pl.ds(pl.multiple_of(b * block_m, block_m), block_m)
+            stash_rows = pl.ds(0, width // 4)
             with jax.named_scope("epilogue"):
                 if not gate_up:
                     cols = pl.ds(pl.multiple_of(n * 2 * TILE_N + o * TILE_N + half * WG_N, WG_N), WG_N)
                     store_rows(acc.astype(out_smem.dtype), out_smem.at[w], rows, cols, p1_order=False)
                 elif o == 1:  # up: hand it to the gate warpgroup of these columns
                     if interpret:
-                        up_smem[half] = acc.reshape(up_smem.shape[1:])
+                        up_smem[half, stash_rows] = acc.reshape(width // 4, up_smem.shape[2])
                     else:
                         _stash(acc, up_smem.at[half])
                     plgpu.barrier_arrive(up_full_bars.at[half])
                     plgpu.barrier_wait(up_empty_bars.at[half])
                 else:
                     plgpu.barrier_wait(up_full_bars.at[half])
-                    up = up_smem[half].reshape(acc.shape) if interpret else _unstash(up_smem.at[half], block_m)
+                    up = up_smem[half, stash_rows].reshape(acc.shape) if interpret else _unstash(up_smem.at[half], width)
                     plgpu.barrier_arrive(up_empty_bars.at[half])
                     h = (acc / (1.0 + jnp.exp(-acc)) * up).astype(out_smem.dtype)
                     cols = pl.ds(pl.multiple_of(n * TILE_N + half * WG_N, WG_N), WG_N)
                     store_rows(h, out_smem.at[half], rows, cols, p1_order=True)
+
+        @pl.loop(0, my_tiles)
+        def _tile(j):
+            b, n = tile_coords(j)
+            valid_rows = block_rows_ref[b]
+            width_index = sum(valid_rows > width for width in widths[:-1])  # of the first width >= valid rows
+            for k, width in enumerate(widths):
+                pl.when(width_index == k)(functools.partial(tile, j, b, n, width))
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -340,10 +349,11 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, x_ref, w_ref, s_ref
         pl.when(wg == w)(functools.partial(compute_warpgroup, w))
 
 
-def _grouped_gemm(num_blocks, block_expert, block_row, x, w, s, out_type, *, gate_up, block_m, num_sms,
-                  interpret):
+def _grouped_gemm(num_blocks, block_expert, block_row, block_rows, x, w, s, out_type, *, gate_up, block_m, widths,
+                  num_sms, interpret):
     """One of the two GEMMs (see `_kernel`) over the first num_blocks[0] row blocks: block_expert [NB] (row of
-    the weight stack), block_row [NB] (first x row). As many pipeline stages as fit in shared memory, up to 4."""
+    the weight stack), block_row [NB] (first x row), block_rows [NB] (valid rows). As many pipeline stages as fit
+    in shared memory, up to 4."""
     stage_bytes = 2 * (STAGE_WORDS * TILE_N * 4 + STAGE_WORDS // 4 * TILE_N * 2) + STAGE_CHUNKS * block_m * CHUNK * 2
     out_dtype = jnp.dtype(out_type.dtype)
     out_tiles = 2 if gate_up else NUM_COMPUTE  # gate_up: the gate warpgroups store h
@@ -365,13 +375,14 @@ def _grouped_gemm(num_blocks, block_expert, block_row, x, w, s, out_type, *, gat
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # up_empty_bars
     ]
     kernel = plgpu.kernel(
-        functools.partial(_kernel, gate_up=gate_up, block_m=block_m, num_stages=num_stages, interpret=interpret),
+        functools.partial(_kernel, gate_up=gate_up, block_m=block_m, widths=widths, num_stages=num_stages,
+                          interpret=interpret),
         out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",), num_threads=NUM_COMPUTE + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return kernel(num_blocks, block_expert, block_row, x, w, s)
+    return kernel(num_blocks, block_expert, block_row, block_rows, x, w, s)
 
 
 def gate_up_rows(local_ids, counts, rank, block_expert, block_m, top_k):
@@ -410,6 +421,7 @@ class RoutedOperands(NamedTuple):
     xs: jax.Array  # [R, D] bf16: x rows in sorted pair order, P1-permuted
     slot_row: jax.Array  # [NB] int32: first slot (row of h and of down's output) of each block
     pair_slot: jax.Array  # [P] int32: the slot of each pair (-1 for pairs off this shard)
+    block_rows: jax.Array  # [NB] int32: valid rows (pairs) of each block, 0 for unused ones
 
 
 def routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset=0):
@@ -421,21 +433,36 @@ def routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset=0):
     num_blocks = jnp.sum(block_expert >= 0, dtype=jnp.int32)[None]
     token_of_row, x_row = gate_up_rows(local_ids, counts, rank, block_expert, block_m, top_k)
     xs = jnp.where(token_of_row[:, None] >= 0, to_p1_order(x)[jnp.maximum(token_of_row, 0)], 0)
-    pair_slot = pair_rows(local_ids, group_starts(counts, block_m), rank, -1)
+    slot_start = group_starts(counts, block_m)
+    pair_slot = pair_rows(local_ids, slot_start, rank, -1)
+    slot_row = jnp.arange(num_blocks_max, dtype=jnp.int32) * block_m
+    expert = jnp.maximum(block_expert, 0)
+    block_rows = jnp.where(block_expert >= 0, jnp.clip(slot_start[expert] + counts[expert] - slot_row, 0, block_m), 0)
     return RoutedOperands(num_blocks, jnp.where(block_expert >= 0, block_expert + stack_offset, -1), x_row, xs,
-                          jnp.arange(num_blocks_max, dtype=jnp.int32) * block_m, pair_slot)
+                          slot_row, pair_slot, block_rows)
 
 
-@functools.partial(jax.jit, static_argnames=["block_m", "out_dtype", "pair_rows_fp32", "interpret", "num_sms"])
+def wgmma_widths(block_m, exact=True):
+    """The wgmma widths (rows multiplied) a block may take, ascending: multiples of 8 (of 16 for 64-row blocks)
+    up to block_m, so a block multiplies its valid rows rounded up, not all block_m (uniform routing, M = 1024,
+    32-row blocks: 9.5K rows instead of 12.4K); (block_m,) when not exact."""
+    step = max(8, block_m // 4) if exact else block_m
+    return tuple(range(step, block_m + 1, step))
+
+
+@functools.partial(jax.jit, static_argnames=["block_m", "out_dtype", "pair_rows_fp32", "interpret", "num_sms",
+                                             "exact_widths"])
 def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset=0,
-                     block_m=32, out_dtype=None, pair_rows_fp32=False, interpret=False, layer=None, num_sms=None):
+                     block_m=32, out_dtype=None, pair_rows_fp32=False, interpret=False, layer=None, num_sms=None,
+                     exact_widths=True):
     """Mosaic GPU fused MoE with the contract of `int4_moe_gemm.fused_moe_reference` (bf16 x only).
 
     Routing in XLA (`expert_ranks`: pairs grouped by expert without a sort, each group padded to block_m slots);
     the activations are gathered in sorted pair order and P1-permuted, the gate_up epilogue writes h
     P1-permuted, down rounds each pair's row to bf16 (fp32 if pair_rows_fp32: for partial sums over a split
     intermediate dim), and the routing weights and the top-k sum are applied in fp32 by the combine.
-    layer: weights stacked per layer ([n, E, ...]), indexed in place. block_m: 16, 32 or 64 rows a block.
+    layer: weights stacked per layer ([n, E, ...]), indexed in place. block_m: 16, 32 or 64 rows a block;
+    exact_widths: each block multiplies its valid rows rounded up to `wgmma_widths`, else all block_m.
     """
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"the Mosaic MoE kernels take bf16 x, got {x.dtype}")
@@ -450,11 +477,12 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
     num_tokens, top_k = topk_ids.shape
     local_ids = topk_ids.reshape(-1).astype(jnp.int32) - expert_offset
     ops = routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset)
-    common = dict(block_m=block_m, num_sms=num_sms or default_num_sms(), interpret=interpret)
+    common = dict(block_m=block_m, widths=wgmma_widths(block_m, exact_widths), num_sms=num_sms or default_num_sms(),
+                  interpret=interpret)
     num_slots = ops.slot_row.shape[0] * block_m
-    h = _grouped_gemm(ops.num_blocks, ops.block_expert, ops.x_row, ops.xs, *weights[:2],
+    h = _grouped_gemm(ops.num_blocks, ops.block_expert, ops.x_row, ops.block_rows, ops.xs, *weights[:2],
                       jax.ShapeDtypeStruct((num_slots, i), x.dtype), gate_up=True, **common)
-    y_slots = _grouped_gemm(ops.num_blocks, ops.block_expert, ops.slot_row, h, *weights[2:],
+    y_slots = _grouped_gemm(ops.num_blocks, ops.block_expert, ops.slot_row, ops.block_rows, h, *weights[2:],
                             jax.ShapeDtypeStruct((num_slots, d), jnp.float32 if pair_rows_fp32 else x.dtype),
                             gate_up=False, **common)
     return combine(y_slots, ops.pair_slot.reshape(num_tokens, top_k), topk_weights).astype(out_dtype or x.dtype)

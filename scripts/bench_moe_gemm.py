@@ -81,7 +81,18 @@ SWAP_RACE = {  # run 8: swapped-operand (wgmma) candidates against the current d
            "m64_n64_kw16_swap_nf"),
     4096: ("m32_n128_w8_nf", "m64_n64_kw16_swap_nf", "m64_n128_kw16_w8_swap_nf"),
 }
-MOSAIC = {"mosaic_m16": 16, "mosaic_m32": 32, "mosaic_m64": 64}  # int4_moe_mosaic.fused_moe_mosaic, block_m
+MOSAIC = {  # int4_moe_mosaic.fused_moe_mosaic's arguments; "_full": every block multiplies all block_m rows
+    **{f"mosaic_m{block_m}": dict(block_m=block_m) for block_m in (16, 32, 64)},
+    **{f"mosaic_m{block_m}_full": dict(block_m=block_m, exact_widths=False) for block_m in (16, 32, 64)}}
+WIDTHS_RACE = {  # each block's valid rows rounded up to a wgmma width, against all block_m rows
+    8: ("mosaic_m16", "mosaic_m16_full"),
+    64: ("mosaic_m16", "mosaic_m16_full"),
+    256: ("mosaic_m16", "mosaic_m16_full"),
+    512: ("mosaic_m16", "mosaic_m16_full", "mosaic_m32"),
+    1024: ("mosaic_m32", "mosaic_m32_full", "mosaic_m64"),
+    2048: ("mosaic_m32", "mosaic_m32_full", "mosaic_m64"),
+    4096: ("mosaic_m64", "mosaic_m64_full", "mosaic_m32"),
+}
 MOSAIC_RACE = {  # the Mosaic GPU kernels against the Triton defaults
     1: ("pair_n64", "mosaic_m16"),
     2: ("pair_n64", "mosaic_m16"),
@@ -223,10 +234,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=200.0, help="start no new case after this many s")
     parser.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse)")
-    parser.add_argument("--race", choices=("default", "swap", "mosaic"), default="default",
-                        help="candidate set per M: CANDIDATES (default), SWAP_RACE or MOSAIC_RACE")
+    parser.add_argument("--race", choices=("default", "swap", "mosaic", "widths"), default="default",
+                        help="candidate set per M: CANDIDATES (default), SWAP_RACE, MOSAIC_RACE or WIDTHS_RACE")
     args = parser.parse_args()
-    candidates = {"swap": SWAP_RACE, "mosaic": MOSAIC_RACE}.get(args.race, CANDIDATES)
+    candidates = {"swap": SWAP_RACE, "mosaic": MOSAIC_RACE, "widths": WIDTHS_RACE}.get(args.race, CANDIDATES)
     t_start = time.perf_counter()
     shapes = QUICK if args.quick else K26
     interpret = args.quick
@@ -272,7 +283,7 @@ def main():
         if wrapper_block_m and f"mosaic_m{wrapper_block_m}" not in mosaic_names:  # the wrapper's default
             mosaic_names.append(f"mosaic_m{wrapper_block_m}")
         for name in mosaic_names:
-            fn = functools.partial(int4_moe_mosaic.fused_moe_mosaic, block_m=MOSAIC[name])
+            fn = functools.partial(int4_moe_mosaic.fused_moe_mosaic, **MOSAIC[name])
             cases.append((name, "mosaic", m, fn, experts, None))
     if not args.no_baselines:
         k4a, k4b, kba, kbb = jax.random.split(jax.random.fold_in(key, 7), 4)
@@ -317,7 +328,7 @@ def main():
             row["default"] = not wrapper_block_m and tiling == moe.fit_tiling(
                 moe.choose_tiling(m, top_k, routings[m][0].dtype, interpret), d, i)
         elif kind == "mosaic":
-            row["default"] = MOSAIC[name] == wrapper_block_m
+            row["default"] = MOSAIC[name] == dict(block_m=wrapper_block_m)
         if error:
             row["error"] = error
         else:

@@ -39,7 +39,8 @@ def kernel_inputs(x, ids, block_m):
     """The two kernels' operands as fused_moe_mosaic builds them (h for down: zeros of its shape)."""
     ops = mosaic.routed_operands(x, ids.reshape(-1), E, block_m, TOP_K)
     h = jnp.zeros((ops.slot_row.shape[0] * block_m, I), jnp.bfloat16)
-    return (ops.num_blocks, ops.block_expert, ops.x_row, ops.xs), (ops.num_blocks, ops.block_expert, ops.slot_row, h)
+    return ((ops.num_blocks, ops.block_expert, ops.x_row, ops.block_rows, ops.xs),
+            (ops.num_blocks, ops.block_expert, ops.slot_row, ops.block_rows, h))
 
 
 def glue_us(x, ids, weights, block_m):
@@ -55,15 +56,17 @@ def glue_us(x, ids, weights, block_m):
 
 
 def kernels(block_m):
-    common = dict(block_m=block_m, num_sms=mosaic.default_num_sms(), interpret=False)
+    common = dict(block_m=block_m, widths=mosaic.wgmma_widths(block_m), num_sms=mosaic.default_num_sms(),
+                  interpret=False)
 
-    def gate_up(num_blocks, block_expert, rows, xs, w, s):
+    def gate_up(num_blocks, block_expert, rows, block_rows, xs, w, s):
         out = jax.ShapeDtypeStruct((block_expert.shape[0] * block_m, I), jnp.bfloat16)
-        return mosaic._grouped_gemm(num_blocks, block_expert, rows, xs, w, s, out, gate_up=True, **common)
+        return mosaic._grouped_gemm(num_blocks, block_expert, rows, block_rows, xs, w, s, out, gate_up=True, **common)
 
-    def down(num_blocks, block_expert, rows, h, w, s):
+    def down(num_blocks, block_expert, rows, block_rows, h, w, s):
         out = jax.ShapeDtypeStruct((h.shape[0], D), jnp.bfloat16)  # the wrapper's bf16 pair rows
-        return mosaic._grouped_gemm(num_blocks, block_expert, rows, h, w, s, out, gate_up=False, **common)
+        return mosaic._grouped_gemm(num_blocks, block_expert, rows, block_rows, h, w, s, out, gate_up=False,
+                                    **common)
 
     return gate_up, down
 

@@ -73,10 +73,11 @@ def close(y, y_ref):
     return rel_err(y, y_ref) < 1e-4
 
 
-@pytest.mark.parametrize("num_tokens,top_k,block_m", [(1, 2, 16), (17, 2, 32), (40, 4, 16), (24, 8, 64)])
+@pytest.mark.parametrize("num_tokens,top_k,block_m", [(1, 2, 16), (17, 2, 32), (40, 4, 16), (24, 8, 64), (101, 4, 32)])
 def test_interpret_matches_reference(num_tokens, top_k, block_m):
-    """Ragged groups (8 experts; at small M most get no token) and ids past the 8 local experts (off-shard).
-    float32 output, so the final bf16 rounding does not hide errors."""
+    """Ragged groups (8 experts; at small M most get no token) and ids past the 8 local experts (off-shard);
+    between them every wgmma width of 16- and 32-row blocks and two of 64-row blocks. float32 output, so the
+    final bf16 rounding does not hide errors."""
     experts, _ = random_experts(1, num_experts=8, d=512, i=256)
     x = jnp.asarray(np.random.default_rng(num_tokens).normal(size=(num_tokens, 512)), jnp.bfloat16)
     ids, weights = random_routing(num_tokens, num_tokens, top_k, 10)
@@ -160,14 +161,15 @@ def test_gate_up_rows_are_tile_aligned_and_hold_each_slots_token(num_tokens, blo
     route = moe.sort_routing(local_ids, 8, block_m)
     token_of_row, block_row = (np.asarray(a) for a in mosaic.gate_up_rows(local_ids, *ranks, route.block_expert,
                                                                           block_m, 4))
-    pair_slot = np.asarray(mosaic.routed_operands(jnp.zeros((num_tokens, 256), jnp.bfloat16), local_ids, 8,
-                                                  block_m, 4).pair_slot)
+    ops = mosaic.routed_operands(jnp.zeros((num_tokens, 256), jnp.bfloat16), local_ids, 8, block_m, 4)
+    pair_slot = np.asarray(ops.pair_slot)
     slots = np.flatnonzero(np.asarray(route.slot_pair) >= 0)
     np.testing.assert_array_equal(pair_slot[np.asarray(route.slot_pair)[slots]], slots)  # the combine's rows
     assert np.all(pair_slot[np.asarray(local_ids) >= 8] == -1)
     used = np.asarray(route.block_expert) >= 0
     assert token_of_row.shape[0] % 8 == 0 and np.all(block_row[used] % 8 == 0)
     slot_pair = np.asarray(route.slot_pair).reshape(-1, block_m)
+    np.testing.assert_array_equal(np.asarray(ops.block_rows), np.sum(slot_pair >= 0, axis=1))  # sets the wgmma width
     for b in np.flatnonzero(used):
         assert block_row[b] + block_m <= token_of_row.shape[0]
         valid = slot_pair[b] >= 0
