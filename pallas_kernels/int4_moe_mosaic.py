@@ -61,6 +61,7 @@ NUM_COMPUTE = 4  # compute warpgroups (0-3); warpgroup 4 streams
 LAUNCH_REGISTERS = 65536 // (128 * (NUM_COMPUTE + 1)) // 8 * 8
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 112, 24
 SMEM_BYTES = 227 * 1024
+WIDTH_STEP = 8  # a block multiplies its valid rows rounded up to a multiple of this (the least wgmma N)
 
 
 def _input_permutation():
@@ -442,19 +443,18 @@ def routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset=0):
                           slot_row, pair_slot, block_rows)
 
 
-def wgmma_widths(block_m, exact=True):
-    """The wgmma widths (rows multiplied) a block may take, ascending: multiples of 8 (of 16 for 64-row blocks)
-    up to block_m, so a block multiplies its valid rows rounded up, not all block_m (uniform routing, M = 1024,
-    32-row blocks: 9.5K rows instead of 12.4K); (block_m,) when not exact."""
-    step = max(8, block_m // 4) if exact else block_m
+def wgmma_widths(block_m, step=WIDTH_STEP):
+    """The wgmma widths (rows multiplied) a block may take, ascending: multiples of `step` up to block_m, so a
+    block multiplies its valid rows rounded up, not all block_m (uniform routing, M = 1024, 32-row blocks: 9.5K
+    rows instead of 12.4K)."""
     return tuple(range(step, block_m + 1, step))
 
 
 @functools.partial(jax.jit, static_argnames=["block_m", "out_dtype", "pair_rows_fp32", "interpret", "num_sms",
-                                             "exact_widths"])
+                                             "width_step"])
 def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset=0,
                      block_m=32, out_dtype=None, pair_rows_fp32=False, interpret=False, layer=None, num_sms=None,
-                     exact_widths=True):
+                     width_step=WIDTH_STEP):
     """Mosaic GPU fused MoE with the contract of `int4_moe_gemm.fused_moe_reference` (bf16 x only).
 
     Routing in XLA (`expert_ranks`: pairs grouped by expert without a sort, each group padded to block_m slots);
@@ -462,7 +462,7 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
     P1-permuted, down rounds each pair's row to bf16 (fp32 if pair_rows_fp32: for partial sums over a split
     intermediate dim), and the routing weights and the top-k sum are applied in fp32 by the combine.
     layer: weights stacked per layer ([n, E, ...]), indexed in place. block_m: 16, 32 or 64 rows a block;
-    exact_widths: each block multiplies its valid rows rounded up to `wgmma_widths`, else all block_m.
+    width_step: each block multiplies its valid rows rounded up to a multiple of this (`wgmma_widths`).
     """
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"the Mosaic MoE kernels take bf16 x, got {x.dtype}")
@@ -477,7 +477,7 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
     num_tokens, top_k = topk_ids.shape
     local_ids = topk_ids.reshape(-1).astype(jnp.int32) - expert_offset
     ops = routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset)
-    common = dict(block_m=block_m, widths=wgmma_widths(block_m, exact_widths), num_sms=num_sms or default_num_sms(),
+    common = dict(block_m=block_m, widths=wgmma_widths(block_m, width_step), num_sms=num_sms or default_num_sms(),
                   interpret=interpret)
     num_slots = ops.slot_row.shape[0] * block_m
     h = _grouped_gemm(ops.num_blocks, ops.block_expert, ops.x_row, ops.block_rows, ops.xs, *weights[:2],

@@ -83,15 +83,17 @@ SWAP_RACE = {  # run 8: swapped-operand (wgmma) candidates against the current d
 }
 MOSAIC = {  # int4_moe_mosaic.fused_moe_mosaic's arguments; "_full": every block multiplies all block_m rows
     **{f"mosaic_m{block_m}": dict(block_m=block_m) for block_m in (16, 32, 64)},
-    **{f"mosaic_m{block_m}_full": dict(block_m=block_m, exact_widths=False) for block_m in (16, 32, 64)}}
-WIDTHS_RACE = {  # each block's valid rows rounded up to a wgmma width, against all block_m rows
+    **{f"mosaic_m{block_m}_full": dict(block_m=block_m, width_step=block_m) for block_m in (16, 32, 64)},
+    "mosaic_m64_s16": dict(block_m=64, width_step=16)}
+WIDTHS_RACE = {  # run 18: each block's valid rows rounded up to a wgmma width against all block_m rows; run 19: sizes
     8: ("mosaic_m16", "mosaic_m16_full"),
     64: ("mosaic_m16", "mosaic_m16_full"),
-    256: ("mosaic_m16", "mosaic_m16_full"),
+    128: ("mosaic_m16", "mosaic_m32"),
+    256: ("mosaic_m16", "mosaic_m16_full", "mosaic_m32"),
     512: ("mosaic_m16", "mosaic_m16_full", "mosaic_m32"),
-    1024: ("mosaic_m32", "mosaic_m32_full", "mosaic_m64"),
-    2048: ("mosaic_m32", "mosaic_m32_full", "mosaic_m64"),
-    4096: ("mosaic_m64", "mosaic_m64_full", "mosaic_m32"),
+    1024: ("mosaic_m32", "mosaic_m32_full", "mosaic_m64", "mosaic_m64_s16"),
+    2048: ("mosaic_m32", "mosaic_m32_full", "mosaic_m64", "mosaic_m64_s16"),
+    4096: ("mosaic_m64", "mosaic_m64_full", "mosaic_m64_s16", "mosaic_m32"),
 }
 MOSAIC_RACE = {  # the Mosaic GPU kernels against the Triton defaults
     1: ("pair_n64", "mosaic_m16"),
