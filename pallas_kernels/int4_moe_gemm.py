@@ -201,12 +201,13 @@ MOSAIC_MIN_TOKENS = 4  # from here on the Mosaic GPU kernels won every race (ben
 
 def mosaic_block_m(num_tokens, dtype, d, i, interpret=False):
     """block_m of the Mosaic GPU kernels (int4_moe_mosaic) when the wrapper's default should use them, else None:
-    bf16 on a Hopper GPU (`arch.has_wgmma`), M >= MOSAIC_MIN_TOKENS, and D, I multiples of 256. The race winners:
-    16-row blocks up to M = 512 (~11 rows an expert), 32 at M = 1024 (~21), 64 at M = 4096."""
+    bf16 on a Hopper GPU (`arch.has_wgmma`), M >= MOSAIC_MIN_TOKENS, and D, I multiples of 256. The race winners
+    (bench/moe_gemm.md, run 19): 16-row blocks up to M = 512 (~11 rows an expert), 32 at M = 1024 (~21), 64 at
+    M = 2048 and 4096 (60% of the floor at 2048 against 40% with 32-row blocks, which split most experts)."""
     if (interpret or jnp.dtype(dtype) != jnp.bfloat16 or num_tokens < MOSAIC_MIN_TOKENS or d % 256 or i % 256
             or not arch.has_wgmma()):
         return None
-    return 16 if num_tokens <= 512 else 32 if num_tokens <= 2048 else 64
+    return 16 if num_tokens <= 512 else 32 if num_tokens <= 1024 else 64
 
 
 def _fit_block(block, dim, minimum, name):
