@@ -1,7 +1,7 @@
 """Benchmark pallas_kernels.int4_moe_gemm.fused_moe at K2.6 shapes against its memory/compute floor.
 
 Rows: Triton tilings (int4_moe_gemm) and the Mosaic GPU kernels (int4_moe_mosaic, "mosaic_m<block_m>"); "*" marks
-the wrapper's default (tiling=None), which is the Mosaic kernels for bf16 M >= 4.
+the wrapper's default (tiling=None), which is the Mosaic kernels for bf16 at every M.
 
 K2.6 MoE layer: 384 experts, top-8, D=7168, I=2048, uniform random routing. For each M it reports the time,
 touched-expert bytes (packed + scales), FLOPs, floor = max(bytes / copy ceiling, FLOPs / matmul ceiling) with
