@@ -17,6 +17,11 @@ its pipeline:
     (bench/moe_gemm.md, run 15). The dequant arithmetic bounds the loop: without it gate_up streams at the
     memory floor (the dequant probe after run 15).
 
+A row block multiplies only its valid rows rounded up to a multiple of 8, the least wgmma N (`wgmma_widths`):
+the compute warpgroups branch on the block's row count to one of block_m / 8 instances of the main loop and
+epilogue. At M = 1024 that is 9.5K rows multiplied instead of 12.4K, and at small M half (bench/moe_gemm.md,
+runs 18-20: +1 to +8 points of the floor at every M).
+
 The A fragment of thread (row r, quad lane q) covers inputs k = 16i + 8e + 2q + h of a chunk (k16 step i,
 half e, pair h). The nibbles a thread holds are inputs 8 * (2q + e) + j of its two words, so wgmma column k
 is fed physical input P1[k] = 16q + 8e + 4h + i: (nibble i, nibble i + 4) of word 2q + e is one bf16x2
@@ -212,7 +217,8 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, block_rows_ref, x_r
             block_m, widths, num_stages, interpret):
     """Both GEMMs. x [rows, K] bf16 (P1-permuted); row block b reads x rows block_row[b] .. + block_m and
     multiplies the first of them: the smallest of `widths` (ascending, the last block_m) that covers its
-    block_rows[b] valid rows. The other rows of its output slots are left as they are (padding, never read).
+    block_rows[b] valid rows, and writes those rows of its output slots only (the others are padding, never
+    read).
     gate_up: w [E, K/8, 2, N] int32, s [E, K/32, 2, N] bf16, out h [rows, N] bf16 (rows in slot order);
     down: w [E, K/8, N], s [E, K/32, N], out y [rows, N] (rows in slot order). Output rows are slots:
     b * block_m + [0, block_m). Compute warpgroup w multiplies weight tile w // 2 (gate / up, or the first /
@@ -304,18 +310,19 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, block_rows_ref, x_r
             return acc_ref[...]
 
         def store_rows(tile, ref, rows, cols, p1_order):
-            """tile [64 cols, width] -> out_ref[rows, cols] (its first width rows), through ref [bm, 64]."""
+            """tile [64 cols, width] -> out_ref[rows, cols] (width rows), through ref [bm, 64]."""
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read ref
+            staged = ref.at[pl.ds(0, tile.shape[1])]
             if interpret:
-                ref[pl.ds(0, tile.shape[1])] = to_p1_order(tile.T) if p1_order else tile.T
+                staged[...] = to_p1_order(tile.T) if p1_order else tile.T
             else:
                 _store_transposed(tile, ref, p1_order=p1_order)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(ref, out_ref.at[rows, cols])
+            plgpu.copy_smem_to_gmem(staged, out_ref.at[rows, cols])
 
         def tile(j, b, n, width):
             acc = pl.run_scoped(functools.partial(mainloop, j, width), plgpu.ACC((WG_N, width), jnp.float32))
-            rows = pl.ds(pl.multiple_of(b * block_m, block_m), block_m)
+            rows = pl.ds(pl.multiple_of(b * block_m, block_m), width)  # the slots past width stay unwritten
             stash_rows = pl.ds(0, width // 4)
             with jax.named_scope("epilogue"):
                 if not gate_up:

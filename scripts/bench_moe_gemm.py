@@ -18,6 +18,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import functools
+import importlib.util
 import json
 import os
 import statistics
@@ -238,7 +239,15 @@ def main():
     parser.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse)")
     parser.add_argument("--race", choices=("default", "swap", "mosaic", "widths"), default="default",
                         help="candidate set per M: CANDIDATES (default), SWAP_RACE, MOSAIC_RACE or WIDTHS_RACE")
+    parser.add_argument("--base-module", default=None,
+                        help="a copy of int4_moe_mosaic.py from another revision: every Mosaic case also runs "
+                             "with it, as '<name>@base' (a same-run A/B)")
     args = parser.parse_args()
+    base = None
+    if args.base_module:
+        spec = importlib.util.spec_from_file_location("int4_moe_mosaic_base", args.base_module)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
     candidates = {"swap": SWAP_RACE, "mosaic": MOSAIC_RACE, "widths": WIDTHS_RACE}.get(args.race, CANDIDATES)
     t_start = time.perf_counter()
     shapes = QUICK if args.quick else K26
@@ -285,8 +294,10 @@ def main():
         if wrapper_block_m and f"mosaic_m{wrapper_block_m}" not in mosaic_names:  # the wrapper's default
             mosaic_names.append(f"mosaic_m{wrapper_block_m}")
         for name in mosaic_names:
-            fn = functools.partial(int4_moe_mosaic.fused_moe_mosaic, **MOSAIC[name])
-            cases.append((name, "mosaic", m, fn, experts, None))
+            for suffix, module in (("", int4_moe_mosaic), ("@base", base)):
+                if module is not None:
+                    fn = functools.partial(module.fused_moe_mosaic, **MOSAIC[name])
+                    cases.append((name + suffix, "mosaic", m, fn, experts, None))
     if not args.no_baselines:
         k4a, k4b, kba, kbb = jax.random.split(jax.random.fold_in(key, 7), 4)
         int4 = (jax.random.randint(k4a, (num_experts, d, 2 * i), -8, 8, jnp.int8).astype(jnp.int4), experts[1],
@@ -330,7 +341,7 @@ def main():
             row["default"] = not wrapper_block_m and tiling == moe.fit_tiling(
                 moe.choose_tiling(m, top_k, routings[m][0].dtype, interpret), d, i)
         elif kind == "mosaic":
-            row["default"] = MOSAIC[name] == dict(block_m=wrapper_block_m)
+            row["default"] = MOSAIC.get(name) == dict(block_m=wrapper_block_m)
         if error:
             row["error"] = error
         else:
