@@ -199,8 +199,9 @@ def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
 def mosaic_block_m(num_tokens, dtype, d, i, interpret=False):
     """block_m of the Mosaic GPU kernels (int4_moe_mosaic) when the wrapper's default should use them, else None:
     bf16 on a Hopper GPU (`arch.has_wgmma`) and D, I multiples of 256 (from M = 1: 67.9% of the floor against
-    Triton's 62.4%, run 20). The race winners (bench/moe_gemm.md, run 19): 16-row blocks up to M = 512 (~11 rows an expert), 32 at M = 1024 (~21), 64 at
-    M = 2048 and 4096 (60% of the floor at 2048 against 40% with 32-row blocks, which split most experts)."""
+    Triton's 62.4%, run 20). The race winners (bench/moe_gemm.md, run 19): 16-row blocks up to M = 512 (~11 rows
+    an expert), 32 at M = 1024 (~21), 64 at M = 2048 and 4096 (60% of the floor at 2048 against 40% with 32-row
+    blocks, which split most experts)."""
     if interpret or jnp.dtype(dtype) != jnp.bfloat16 or d % 256 or i % 256 or not arch.has_wgmma():
         return None
     return 16 if num_tokens <= 512 else 32 if num_tokens <= 1024 else 64

@@ -337,7 +337,8 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, block_rows_ref, x_r
                     plgpu.barrier_wait(up_empty_bars.at[half])
                 else:
                     plgpu.barrier_wait(up_full_bars.at[half])
-                    up = up_smem[half, stash_rows].reshape(acc.shape) if interpret else _unstash(up_smem.at[half], width)
+                    up = (up_smem[half, stash_rows].reshape(acc.shape) if interpret
+                          else _unstash(up_smem.at[half], width))
                     plgpu.barrier_arrive(up_empty_bars.at[half])
                     h = (acc / (1.0 + jnp.exp(-acc)) * up).astype(out_smem.dtype)
                     cols = pl.ds(pl.multiple_of(n * TILE_N + half * WG_N, WG_N), WG_N)
@@ -475,6 +476,8 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
         raise ValueError(f"the Mosaic MoE kernels take bf16 x, got {x.dtype}")
     if block_m not in (16, 32, 64):
         raise ValueError(f"block_m must be 16, 32 or 64, got {block_m}")
+    if width_step % 8 or block_m % width_step:
+        raise ValueError(f"width_step must be a multiple of 8 dividing block_m={block_m}, got {width_step}")
     weights, num_experts, stack_offset = flatten_layers((w13_packed, w13_scale, w2_packed, w2_scale), layer)
     check_args(x, topk_ids, topk_weights, *weights)
     d, i = x.shape[1], w13_packed.shape[-1]

@@ -55,27 +55,6 @@ def glue_us(x, ids, weights, block_m):
                 combine_us=median_seconds(mosaic.combine, y_slots, ops.pair_slot.reshape(ids.shape), weights) * 1e6)
 
 
-def sorted_ranks(local_ids, num_experts):
-    """expert_ranks' contract from a stable argsort (the candidate it is raced against)."""
-    key = jnp.where((local_ids >= 0) & (local_ids < num_experts), local_ids, num_experts)
-    order = jnp.argsort(key, stable=True)
-    counts = jnp.zeros(num_experts + 1, jnp.int32).at[key].add(1)
-    rank_sorted = jnp.arange(key.shape[0], dtype=jnp.int32) - moe.exclusive_prefix_sum(counts)[key[order]]
-    return counts[:num_experts], jnp.zeros_like(key).at[order].set(rank_sorted)
-
-
-def ranks_race_us(ids):
-    """Median us of expert_ranks at several chunk sizes and of `sorted_ranks` (checked equal first)."""
-    local_ids = ids.reshape(-1).astype(jnp.int32)
-    expected = [np.asarray(a) for a in moe.expert_ranks(local_ids, E)]
-    got = jax.jit(sorted_ranks, static_argnums=1)(local_ids, E)
-    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(expected, got)), "sorted_ranks disagrees"
-    times = {f"ranks_chunk{chunk}_us": median_seconds(functools.partial(moe.expert_ranks, num_experts=E, chunk=chunk),
-                                                      local_ids) * 1e6 for chunk in (128, 256, 512, 1024, 2048)}
-    times["ranks_sorted_us"] = median_seconds(functools.partial(sorted_ranks, num_experts=E), local_ids) * 1e6
-    return times
-
-
 def kernels(block_m):
     common = dict(block_m=block_m, widths=mosaic.wgmma_widths(block_m), num_sms=mosaic.default_num_sms(),
                   interpret=False)
@@ -120,7 +99,6 @@ def main():
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--ranges", type=int, default=96)
     parser.add_argument("--commit", default="unknown")
-    parser.add_argument("--ranks-only", action="store_true", help="only race expert_ranks' variants")
     args = parser.parse_args()
     key = jax.random.PRNGKey(0)
     experts = bench.random_weights(key, E, D, I)
@@ -133,12 +111,6 @@ def main():
         ids, weights = (a[0] for a in bench.random_routings(jax.random.fold_in(key, m), 1, m, E, TOP_K))
         x = jax.random.normal(jax.random.fold_in(key, m + 7), (m, D), jnp.float32).astype(jnp.bfloat16)
         floor = len(np.unique(np.asarray(ids))) * bench.expert_bytes(D, I) / copy_bw
-        if args.ranks_only:
-            row = dict(M=m, **ranks_race_us(ids))
-            record["rows"].append(row)
-            print(json.dumps(row), flush=True)
-            json.dump(record, open(args.out, "w"), indent=1)
-            continue
         gate_up_args, down_args = kernel_inputs(x, ids, block_m)
         gate_up, down = kernels(block_m)
         tiling = moe.fit_tiling(moe.choose_tiling(m, TOP_K), D, I)

@@ -73,7 +73,8 @@ def close(y, y_ref):
     return rel_err(y, y_ref) < 1e-4
 
 
-@pytest.mark.parametrize("num_tokens,top_k,block_m", [(1, 2, 16), (17, 2, 32), (40, 4, 16), (24, 8, 64), (101, 4, 32)])
+@pytest.mark.parametrize("num_tokens,top_k,block_m",
+                         [(1, 2, 16), (17, 2, 32), (40, 4, 16), (24, 8, 64), (101, 4, 32)])
 def test_interpret_matches_reference(num_tokens, top_k, block_m):
     """Ragged groups (8 experts; at small M most get no token) and ids past the 8 local experts (off-shard);
     between them every wgmma width of 16- and 32-row blocks and two of 64-row blocks. float32 output, so the
@@ -117,6 +118,10 @@ def test_bad_arguments_are_named():
         mosaic.fused_moe_mosaic(jnp.zeros((2, 512), jnp.float32), ids, weights, *experts)
     with pytest.raises(ValueError, match="block_m"):
         mosaic.fused_moe_mosaic(jnp.zeros((2, 512), jnp.bfloat16), ids, weights, *experts, block_m=8)
+    for width_step in (12, 24):  # not a wgmma width; does not divide the block (rows past 48 would be dropped)
+        with pytest.raises(ValueError, match="width_step"):
+            mosaic.fused_moe_mosaic(jnp.zeros((2, 512), jnp.bfloat16), ids, weights, *experts, block_m=64,
+                                    width_step=width_step)
     small, _ = random_experts(1, num_experts=2, d=128, i=256)
     with pytest.raises(ValueError, match="D=128"):
         mosaic.fused_moe_mosaic(jnp.zeros((2, 128), jnp.bfloat16), ids, weights, *small)
