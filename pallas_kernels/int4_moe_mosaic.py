@@ -454,7 +454,10 @@ def routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset=0):
 def wgmma_widths(block_m, step=WIDTH_STEP):
     """The wgmma widths (rows multiplied) a block may take, ascending: multiples of `step` up to block_m, so a
     block multiplies its valid rows rounded up, not all block_m (uniform routing, M = 1024, 32-row blocks: 9.5K
-    rows instead of 12.4K)."""
+    rows instead of 12.4K). A step that is no wgmma width or does not divide block_m raises: rows past the last
+    width would go unmultiplied."""
+    if step % 8 or block_m % step:
+        raise ValueError(f"width_step must be a multiple of 8 dividing block_m={block_m}, got {step}")
     return tuple(range(step, block_m + 1, step))
 
 
@@ -476,8 +479,6 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
         raise ValueError(f"the Mosaic MoE kernels take bf16 x, got {x.dtype}")
     if block_m not in (16, 32, 64):
         raise ValueError(f"block_m must be 16, 32 or 64, got {block_m}")
-    if width_step % 8 or block_m % width_step:
-        raise ValueError(f"width_step must be a multiple of 8 dividing block_m={block_m}, got {width_step}")
     weights, num_experts, stack_offset = flatten_layers((w13_packed, w13_scale, w2_packed, w2_scale), layer)
     check_args(x, topk_ids, topk_weights, *weights)
     d, i = x.shape[1], w13_packed.shape[-1]

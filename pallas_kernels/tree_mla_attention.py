@@ -294,11 +294,18 @@ def choose_split_counts(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks,
                                              sum(counts)))
 
 
+def mosaic_tiles(M, S_max, T):
+  """(query row tiles, cache key blocks, tail key blocks) of `mla_prefix_mosaic` for a sequence of M query rows,
+  S_max cache rows and T tail rows."""
+  block_m, block_k = mla_prefix_mosaic.BLOCK_M, mla_prefix_mosaic.BLOCK_K
+  return pl.cdiv(M, block_m), pl.cdiv(S_max, block_k), pl.cdiv(T, block_k)
+
+
 def mosaic_split_counts(C, M, S_max, T):
   """`choose_split_counts` for `mla_prefix_mosaic`'s tiles: C sequences of M query rows, S_max cache rows and
   T tail rows each."""
-  block_m, block_k = mla_prefix_mosaic.BLOCK_M, mla_prefix_mosaic.BLOCK_K
-  return choose_split_counts(pl.cdiv(M, block_m), C, pl.cdiv(S_max, block_k), pl.cdiv(T, block_k), _NUM_SMS)
+  num_m_blocks, num_key_blocks, num_tail_blocks = mosaic_tiles(M, S_max, T)
+  return choose_split_counts(num_m_blocks, C, num_key_blocks, num_tail_blocks, _NUM_SMS)
 
 
 PREFIX_KERNELS = ("auto", "triton", "mosaic")

@@ -11,7 +11,6 @@ import json
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from pallas_kernels import mla_prefix_mosaic, tree_mla_attention as attn
 from scripts.bench_verify_attn import (SCALE, compile_all, make_input_sets, new_record, num_sets_for, roofline,
@@ -54,8 +53,8 @@ def main():
     chosen = default_splits(*point)
     jobs[(point, "kernel", chosen)] = (functools.partial(kernel_only, num_splits=None), point)
     jobs[(point, "whole", chosen)] = (functools.partial(attn.tree_mla_attention, scale=SCALE), point)
-    uniform = attn.choose_num_splits(len(chosen) * pl.cdiv(point[2] * point[3], mla_prefix_mosaic.BLOCK_M),
-                                     pl.cdiv(point[1], mla_prefix_mosaic.BLOCK_K), attn._NUM_SMS)
+    num_m_blocks, num_key_blocks, _ = attn.mosaic_tiles(point[2] * point[3], point[1], point[2])
+    uniform = attn.choose_num_splits(point[0] * num_m_blocks, num_key_blocks, attn._NUM_SMS)  # one count for all
     same_for_all = chosen[0] if len(set(chosen)) == 1 else None  # timed above as the wrapper's choice
     for n in sorted({uniform, *splits} - {same_for_all}):
       jobs[(point, "whole", n)] = (functools.partial(attn.tree_mla_attention, scale=SCALE, num_splits=n), point)
