@@ -1,10 +1,11 @@
 """Tree MLA attention as a warp-specialised Mosaic GPU kernel (Hopper, bf16): the prefix splits, the last of
 which also takes the tree tail.
 
-For each sequence c, prefix split (a count per sequence) and 64-row tile of the T*H query rows, attend over
-that split's cache rows (and, in the last split, over the tail rows each query row sees) and write the
-normalised partial output and its base-2 log-sum-exp; `tree_mla_attention` merges the splits (nothing to merge
-with one split). Doing the tail here instead of in a second kernel saves its launch, its partial output and a
+The prefix of each sequence is cut into groups of key blocks by a split plan (`check_plan`; the planner is
+`tree_mla_attention.plan_splits`). For each group and 64-row tile of its sequence's T*H query rows, attend over
+the group's cache rows (and, in the sequence's last group, over the tail rows each query row sees) and write the
+normalised partial output and its base-2 log-sum-exp; `tree_mla_attention` merges a sequence's groups (nothing
+to merge with one). Doing the tail here instead of in a second kernel saves its launch, its partial output and a
 merge operand: 10-36% of the whole call at small and mid sizes (bench/verify_attn.md, run 7).
 
 Why a second backend: with a 576-wide key and a 512-wide value a 64-row tile needs a 64 x 512 fp32
@@ -26,7 +27,7 @@ Tail blocks come from the tail rows (padded to whole blocks); which of them a qu
 FlashMLA's "seesaw" schedule (each warpgroup scores whole blocks in turn) measured 2.0-2.4x slower here: it
 spills registers (bench/verify_attn.md, runs 11-13). Balanced key ranges over the whole batch (FlashMLA's tile
 scheduler) measured 3-9% faster at the 8-head verify shapes but 1-5% slower at 64 heads, again from spills
-(runs 14-16); per-sequence split counts (runs 17-21) take most of that gain without touching the key loop.
+(runs 14-16); split plans take that gain without touching the key loop (runs 17-21 and 23).
 Neither branch survived into this repository's history.
 """
 import functools
@@ -46,13 +47,45 @@ EPI_N = 64  # output columns a TMA store
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
-def split_steps(prefix_len, split, num_splits):
-  """(first key block, number of key blocks) of prefix split `split` of num_splits (none from split
-  num_splits on); the Triton kernel splits the same way."""
-  num_blocks = lax.div(prefix_len + BLOCK_K - 1, BLOCK_K)
-  per_split = lax.div(num_blocks + num_splits - 1, num_splits)
-  first = split * per_split
-  return first, jnp.clip(num_blocks - first, 0, per_split)
+def check_plan(plan, num_seqs, num_key_blocks):
+  """Validates a split plan: a tuple of groups (c, first, end) in launch order, each the key blocks
+  [first, end) of sequence c's cache as planned for a full cache (num_key_blocks blocks); the groups of a
+  sequence, in plan order, cover [0, num_key_blocks) one after another, and its last one also takes the tail."""
+  plan = tuple(tuple(int(x) for x in group) for group in plan)
+  reached = [0] * num_seqs
+  for group in plan:
+    if len(group) != 3 or not 0 <= group[0] < num_seqs or group[1] != reached[group[0]] or group[2] < group[1]:
+      raise ValueError(f"plan: group {group} must be (c, first, end) with c < {num_seqs}, first the end of "
+                       f"sequence c's previous group (or 0) and end >= first; plan {plan}")
+    reached[group[0]] = group[2]
+  if reached != [num_key_blocks] * num_seqs:
+    raise ValueError(f"plan: every sequence's groups must end at its {num_key_blocks} key blocks, "
+                     f"they reach {reached}; plan {plan}")
+  return plan
+
+
+def equal_plan(num_splits, num_seqs, num_key_blocks):
+  """The plan of num_splits (one count for every sequence, or a tuple with each sequence's) equal splits a
+  sequence, sequence after sequence (the last ones empty where a sequence has fewer key blocks than splits)."""
+  counts = (num_splits,) * num_seqs if isinstance(num_splits, int) else tuple(num_splits)
+  if len(counts) != num_seqs or min(counts) < 1:
+    raise ValueError(f"num_splits must be a count >= 1 or {num_seqs} of them (one a sequence), got {num_splits}")
+  plan = []
+  for c, count in enumerate(counts):
+    per_split = pl.cdiv(num_key_blocks, count)
+    plan += [(c, min(s * per_split, num_key_blocks), min((s + 1) * per_split, num_key_blocks)) for s in range(count)]
+  return tuple(plan)
+
+
+def group_table(plan, prefix_len, num_key_blocks, num_tail_blocks):
+  """int32 [G, 4]: (sequence, first key block, cache key blocks, tail key blocks) of each group of the plan, for
+  the actual prefix lengths [C]: a planned block bound b of sequence c lands at floor(b * n_c / num_key_blocks),
+  n_c = ceil(prefix_len[c] / BLOCK_K), so the groups split a shorter prefix in the planned proportions."""
+  seq, first, end = (jnp.asarray(column, jnp.int32) for column in zip(*plan))
+  takes_tail = jnp.asarray([all(c != later[0] for later in plan[g + 1:]) for g, (c, _, _) in enumerate(plan)])
+  blocks = jnp.minimum(lax.div(prefix_len.astype(jnp.int32) + BLOCK_K - 1, BLOCK_K), num_key_blocks)[seq]
+  first, end = (lax.div(bound * blocks, max(num_key_blocks, 1)) for bound in (first, end))
+  return jnp.stack([seq, first, end - first, jnp.where(takes_tail, num_tail_blocks, 0)], axis=1)
 
 
 def tail_visibility_bits(tail_visible_CMT, num_rows):
@@ -66,42 +99,32 @@ def tail_visibility_bits(tail_visible_CMT, num_rows):
   return lax.bitcast_convert_type(words, jnp.int32).transpose(0, 2, 1)
 
 
-def split_counts(num_splits, num_seqs):
-  """num_splits (one count for every sequence, or a tuple of num_seqs counts) -> a tuple of num_seqs counts."""
-  counts = (num_splits,) * num_seqs if isinstance(num_splits, int) else tuple(num_splits)
-  if len(counts) != num_seqs or min(counts) < 1:
-    raise ValueError(f"num_splits must be a count >= 1 or {num_seqs} of them (one a sequence), got {num_splits}")
-  return counts
-
-
-def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, num_splits, qk_scale):
+def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, plan, qk_scale):
   """float32 partials. q_CMD [C, M, 576] (q_lat | q_rope); cache [C, S_max, 576]; prefix_len [C];
-  tail [C, T, 576]; tail_visible_CMT [C, M, T] bool: the tail rows each query row sees (last split only).
-  qk_scale: softmax scale times log2(e). num_splits: the prefix splits of every sequence, or a tuple with
-  each sequence's; a sequence's last split takes the tail, those past it see nothing. Returns o [C, N, M, 512]
-  (normalised, 0 where a split saw nothing) and lse [C, N, M] (base 2, -inf where it saw nothing), N the
-  largest count."""
+  tail [C, T, 576]; tail_visible_CMT [C, M, T] bool: the tail rows each query row sees (in its sequence's last
+  group only). qk_scale: softmax scale times log2(e). plan: see `check_plan` (key blocks of BLOCK_K rows).
+  Returns o [G, M, 512] (normalised, 0 where a group saw nothing) and lse [G, M] (base 2, -inf where it saw
+  nothing), one per group of the plan."""
   f32, hi = jnp.float32, lax.Precision.HIGHEST
   C, M, _ = q_CMD.shape
-  counts = split_counts(num_splits, C)
-  num_splits, counts = max(counts), jnp.asarray(counts, jnp.int32)
-  keys = jnp.concatenate([cache, tail], axis=1).astype(f32)
-  s_CMK = jnp.einsum("cmd,ckd->cmk", q_CMD.astype(f32), keys, precision=hi) * qk_scale
-  key_block = jnp.arange(cache.shape[1]) // BLOCK_K
-  first, steps = jax.vmap(lambda n, count: split_steps(n, jnp.arange(num_splits), count))(prefix_len, counts)
-  in_split_CNS = ((key_block >= first[..., None]) & (key_block < (first + steps)[..., None])
-                  & (jnp.arange(cache.shape[1]) < prefix_len[:, None, None]))
-  last = (jnp.arange(num_splits) == counts[:, None] - 1)[:, :, None, None]
-  visible_CNMK = jnp.concatenate([jnp.broadcast_to(in_split_CNS[:, :, None, :], (C, num_splits, M, cache.shape[1])),
-                                  last & tail_visible_CMT[:, None]], axis=-1)
-  s_CNMK = jnp.where(visible_CNMK, s_CMK[:, None], -jnp.inf)
-  m_CNM = jnp.max(s_CNMK, axis=-1)
-  m_safe = jnp.where(jnp.isfinite(m_CNM), m_CNM, 0.0)
-  p_CNMK = jnp.exp2(s_CNMK - m_safe[..., None])
-  l_CNM = p_CNMK.sum(-1)
-  o = jnp.einsum("cnmk,ckr->cnmr", p_CNMK, keys[..., :LAT_DIM], precision=hi)
-  o = o / jnp.where(l_CNM > 0, l_CNM, 1.0)[..., None]
-  return o, jnp.where(l_CNM > 0, m_safe + jnp.log2(jnp.where(l_CNM > 0, l_CNM, 1.0)), -jnp.inf)
+  S_max, T = cache.shape[1], tail.shape[1]
+  plan = check_plan(plan, C, pl.cdiv(S_max, BLOCK_K))
+  seq, first, steps, tail_steps = group_table(plan, prefix_len, pl.cdiv(S_max, BLOCK_K), 1).T
+  keys = jnp.concatenate([cache, tail], axis=1).astype(f32)[seq]
+  s_GMK = jnp.einsum("gmd,gkd->gmk", q_CMD.astype(f32)[seq], keys, precision=hi) * qk_scale
+  key_block = jnp.arange(S_max) // BLOCK_K
+  in_group_GS = ((key_block >= first[:, None]) & (key_block < (first + steps)[:, None])
+                 & (jnp.arange(S_max) < prefix_len[seq][:, None]))
+  visible_GMK = jnp.concatenate([jnp.broadcast_to(in_group_GS[:, None, :], (len(plan), M, S_max)),
+                                 (tail_steps > 0)[:, None, None] & tail_visible_CMT[seq]], axis=-1)
+  s_GMK = jnp.where(visible_GMK, s_GMK, -jnp.inf)
+  m_GM = jnp.max(s_GMK, axis=-1)
+  m_safe = jnp.where(jnp.isfinite(m_GM), m_GM, 0.0)
+  p_GMK = jnp.exp2(s_GMK - m_safe[..., None])
+  l_GM = p_GMK.sum(-1)
+  o = jnp.einsum("gmk,gkr->gmr", p_GMK, keys[..., :LAT_DIM], precision=hi)
+  o = o / jnp.where(l_GM > 0, l_GM, 1.0)[..., None]
+  return o, jnp.where(l_GM > 0, m_safe + jnp.log2(jnp.where(l_GM > 0, l_GM, 1.0)), -jnp.inf)
 
 
 def _accumulate(acc, issue_dots, interpret):
@@ -115,19 +138,17 @@ def _accumulate(acc, issue_dots, interpret):
   return pl.run_state(issue_dots)(plgpu.ACC.init(acc))
 
 
-def _kernel(prefix_len_ref, cache_seq_ref, split_count_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
+def _kernel(prefix_len_ref, cache_seq_ref, group_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
             q_and_out, kv_smem, p_smem, row_smem, q_bar, bits_bar, kv_bars, consumed_bars, row_bar, p_bar, *,
-            uniform_splits, num_tail, qk_scale, interpret):
-  m_blk, split, c, wg = (lax.axis_index(n) for n in ("m", "split", "c", "wg"))
+            num_tail, qk_scale, interpret):
+  m_blk, group, wg = (lax.axis_index(n) for n in ("m", "group", "wg"))
   q_smem, (o_stage, lse_smem) = q_and_out
   bits_smem = row_smem.at[pl.ds(2, row_smem.shape[0] - 2)]  # the tail's visibility words, as float32 bits
   rows = pl.ds(pl.multiple_of(m_blk * BLOCK_M, BLOCK_M), BLOCK_M)  # TMA tiling needs the alignment proven
+  # read, not computed: a split range computed from a per-sequence count cost 64-head shapes 400-800 B of spills
+  c, first, steps, tail_steps = (group_ref[group, j] for j in range(4))
   prefix_len, seq = prefix_len_ref[c], cache_seq_ref[c]
-  # a static count folds the split arithmetic: read per sequence, it costs 64-head shapes 400-800 B of spills
-  num_splits = uniform_splits or split_count_ref[c]
-  first, steps = split_steps(prefix_len, split, num_splits)  # key blocks [0, steps) come from the cache
-  tail_steps = jnp.where(split == num_splits - 1, tail_ref.shape[1] // BLOCK_K, 0)  # then the tail's blocks
-  total = steps + tail_steps
+  total = steps + tail_steps  # key blocks [0, steps) come from the cache, then the tail's
 
   @pl.when(wg == 2)
   def _memory_warpgroup():
@@ -245,11 +266,11 @@ def _kernel(prefix_len_ref, cache_seq_ref, split_count_ref, q_ref, cache_ref, ta
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
       o_stage[w, slot] = out[:, j * EPI_N:(j + 1) * EPI_N]
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_stage.at[w, slot], o_ref.at[c, split, rows, pl.ds(w * HALF_R + j * EPI_N, EPI_N)])
+      plgpu.copy_smem_to_gmem(o_stage.at[w, slot], o_ref.at[group, rows, pl.ds(w * HALF_R + j * EPI_N, EPI_N)])
     if w == 0:
       lse_smem[...] = jnp.where(seen, m + jnp.log2(l_safe), -jnp.inf)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[c, split, rows])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[group, rows])
     plgpu.wait_smem_to_gmem(0)
 
   for w in range(2):
@@ -263,8 +284,8 @@ def tiled_smem(shape, dtype, row_bytes):
   return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)))
 
 
-@functools.partial(jax.jit, static_argnames=["num_splits", "qk_scale", "interpret"])
-def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, num_splits: int | tuple[int, ...],
+@functools.partial(jax.jit, static_argnames=["plan", "qk_scale", "interpret"])
+def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, plan: tuple[tuple[int, int, int], ...],
                          qk_scale: float, cache_seq=None, interpret: bool = False):
   """Split partials on the GPU; arguments and results as in `mla_prefix_reference` (bf16 q, cache and tail,
   R = 512, P = 64). cache_seq [C] int32: the cache row holding sequence c (default c; `tree_mla_attention`
@@ -279,7 +300,6 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
                      f"got {tail_visible_CMT.dtype}{tail_visible_CMT.shape}")
   if cache_seq is not None and cache_seq.shape != (C,):
     raise ValueError(f"cache_seq must be [C] = [{C}], got {cache_seq.shape}")
-  counts = split_counts(num_splits, C)
   if D != LAT_DIM + ROPE_DIM or cache.shape[-1] != D or (cache_seq is None and cache.shape[0] != C):
     raise ValueError(f"q [C, M, {LAT_DIM + ROPE_DIM}] and cache [C, S_max, {LAT_DIM + ROPE_DIM}] expected, "
                      f"got {q_CMD.shape} and {cache.shape}")
@@ -288,6 +308,10 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
   if M % BLOCK_M or cache.shape[1] % 8:
     raise ValueError(f"q rows ({M}) must be a multiple of {BLOCK_M} and cache rows ({cache.shape[1]}) of 8 "
                      "(TMA tiles; tree_mla_attention pads the queries)")
+  num_key_blocks = pl.cdiv(cache.shape[1], BLOCK_K)
+  if num_key_blocks ** 2 >= 2 ** 31:
+    raise ValueError(f"cache rows ({cache.shape[1]}) must stay under {BLOCK_K * 46341} (int32 group bounds)")
+  plan = check_plan(plan, C, num_key_blocks)
   dtype = q_CMD.dtype
   num_tail_rows = pl.cdiv(T, BLOCK_K) * BLOCK_K  # whole key blocks, so every TMA box is in bounds
   tail = jnp.pad(tail, [(0, 0), (0, num_tail_rows - T), (0, 0)])
@@ -310,14 +334,13 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
       plgpu.Barrier(num_arrivals=2),  # p_bar
   ]
   kernel = plgpu.kernel(
-      functools.partial(_kernel, uniform_splits=counts[0] if len(set(counts)) == 1 else None, num_tail=T,
-                        qk_scale=qk_scale, interpret=interpret),
-      out_type=(jax.ShapeDtypeStruct((C, max(counts), M, LAT_DIM), jnp.float32),
-                jax.ShapeDtypeStruct((C, max(counts), M), jnp.float32)),
+      functools.partial(_kernel, num_tail=T, qk_scale=qk_scale, interpret=interpret),
+      out_type=(jax.ShapeDtypeStruct((len(plan), M, LAT_DIM), jnp.float32),
+                jax.ShapeDtypeStruct((len(plan), M), jnp.float32)),
       scratch_types=scratch,
-      # the last grid axis is CUDA's x, launched fastest: a split's row tiles run side by side (its keys stay in
-      # L2), then the splits, then the sequences (`choose_split_counts` models this order)
-      grid=(C, max(counts), pl.cdiv(M, BLOCK_M)), grid_names=("c", "split", "m"),
+      # the last grid axis is CUDA's x, launched fastest: a group's row tiles run side by side (its keys stay in
+      # L2), then the groups in plan order (`tree_mla_attention.plan_splits` models this order)
+      grid=(len(plan), pl.cdiv(M, BLOCK_M)), grid_names=("group", "m"),
       num_threads=3, thread_name="wg",
       # the row reductions stay within a thread quad, so no cross-warp reduction scratch is reserved
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
@@ -325,5 +348,5 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, nu
   )
   if cache_seq is None:
     cache_seq = jnp.arange(C, dtype=jnp.int32)
-  return kernel(prefix_len.astype(jnp.int32), cache_seq.astype(jnp.int32), jnp.asarray(counts, jnp.int32), q_CMD,
-                cache, tail, bits)
+  groups = group_table(plan, prefix_len, num_key_blocks, num_tail_rows // BLOCK_K)
+  return kernel(prefix_len.astype(jnp.int32), cache_seq.astype(jnp.int32), groups, q_CMD, cache, tail, bits)

@@ -23,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -270,28 +271,68 @@ def list_schedule_makespan(program_sizes, resident_programs):
   return max(free_at)
 
 
-def choose_split_counts(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks, resident_programs):
-  """Prefix splits per sequence (a tuple of num_seqs counts) for the Mosaic kernel, whose grid launches the
-  m blocks of a split, then the splits of a sequence, then the sequences. Candidates: every sequence at n
-  splits, or the last j at n + 1 (their shorter programs fill the last wave's gaps), n around
-  `choose_num_splits`'s pick; the winner has the least list-schedule makespan of programs costing their key
-  blocks (the last split's tail blocks included) plus `_SPLIT_OVERHEAD_BLOCKS`, then the fewest programs.
-  Like every split choice here it assumes full caches (S_max keys a sequence).
-  C=8/32K/T=65/H=8: 3 splits for four sequences and 4 for the rest, a modelled 334 blocks against 357 for
-  5 each (three waves, the last 70% full); measured 6% faster (bench/verify_attn.md, runs 17-21)."""
-  def program_sizes(counts):
-    for count in counts:
-      per_split = pl.cdiv(num_key_blocks, count)
-      for split in range(count):
-        blocks = min(max(num_key_blocks - split * per_split, 0), per_split)
-        blocks += num_tail_blocks if split == count - 1 else 0
-        yield from [blocks + _SPLIT_OVERHEAD_BLOCKS if blocks else 1] * num_m_blocks
+# A group shorter than this (in key blocks) would mostly pay its fixed cost; it bounds how finely the planner cuts.
+_MIN_GROUP_BLOCKS = 16
 
+
+def _program_sizes(plan, num_m_blocks, num_tail_blocks):
+  """The plan's programs in launch order (each group's row tiles side by side), each costing its key blocks (the
+  tail's in a sequence's last group) plus `_SPLIT_OVERHEAD_BLOCKS`, or 1 if it has none."""
+  last_group = {c: g for g, (c, _, _) in enumerate(plan)}
+  for g, (c, first, end) in enumerate(plan):
+    blocks = end - first + (num_tail_blocks if last_group[c] == g else 0)
+    yield from [blocks + _SPLIT_OVERHEAD_BLOCKS if blocks else 1] * num_m_blocks
+
+
+def plan_makespan(plan, num_m_blocks, num_tail_blocks, resident_programs):
+  """The modelled time of a split plan (`mla_prefix_mosaic.check_plan`), in key blocks."""
+  return list_schedule_makespan(_program_sizes(plan, num_m_blocks, num_tail_blocks), resident_programs)
+
+
+def _fill_plan(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks, resident_programs, makespan):
+  """A plan whose every program ends by `makespan`, or None: the sequence with the most work left takes the next
+  group, as long as its latest-starting row tile still ends in time (its tail only with the rest of its cache)."""
+  free_at = [0] * resident_programs
+  cache_left, tail_left = [num_key_blocks] * num_seqs, [num_tail_blocks] * num_seqs
+  plan = []
+  while True:
+    c = max(range(num_seqs), key=lambda i: (cache_left[i] + tail_left[i], -i))
+    if not cache_left[c] + tail_left[c]:
+      return tuple(plan)
+    starts = [heapq.heappop(free_at) for _ in range(num_m_blocks)]
+    room = makespan - _SPLIT_OVERHEAD_BLOCKS - max(starts)
+    blocks = min(cache_left[c], room)
+    tail = tail_left[c] if cache_left[c] + tail_left[c] <= room else 0
+    if not tail and blocks < _MIN_GROUP_BLOCKS:
+      return None
+    plan.append((c, num_key_blocks - cache_left[c], num_key_blocks - cache_left[c] + blocks))
+    cache_left[c], tail_left[c] = cache_left[c] - blocks, tail_left[c] - tail
+    for start in starts:
+      heapq.heappush(free_at, start + blocks + tail + _SPLIT_OVERHEAD_BLOCKS)
+
+
+@functools.lru_cache(maxsize=256)
+def plan_splits(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks, resident_programs):
+  """The split plan (`mla_prefix_mosaic.check_plan`) for the Mosaic kernel, whose grid launches a group's row
+  tiles side by side, then the groups in plan order: `choose_num_splits`'s equal splits, or, if the model
+  ends it sooner, the greedy plan (`_fill_plan`) at the least makespan it meets (binary search). Like every
+  split choice here it plans full caches (S_max keys a sequence); the kernel cuts a shorter prefix in the same
+  proportions. C=8/32K/T=65/H=8: a modelled 307 key blocks against 334 for per-sequence counts 3 and 4 and 357
+  for 5 each (bench/verify_attn.md, run 23)."""
+  args = num_m_blocks, num_tail_blocks, resident_programs
   uniform = choose_num_splits(num_seqs * num_m_blocks, num_key_blocks, resident_programs)
-  candidates = {(n,) * (num_seqs - j) + (n + 1,) * j for n in range(max(1, uniform // 2), uniform + 1)
-                for j in range(num_seqs)}
-  return min(candidates, key=lambda counts: (list_schedule_makespan(program_sizes(counts), resident_programs),
-                                             sum(counts)))
+  best = mla_prefix_mosaic.equal_plan(uniform, num_seqs, num_key_blocks)
+  lo, hi = pl.cdiv(num_seqs * num_m_blocks * (num_key_blocks + num_tail_blocks), resident_programs), \
+      plan_makespan(best, *args) - 1
+  if num_m_blocks > resident_programs:  # a group's tiles would not start together
+    return best
+  while lo < hi:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if _fill_plan(num_m_blocks, num_seqs, num_key_blocks, *args[1:], mid) else (mid + 1, hi)
+  greedy = _fill_plan(num_m_blocks, num_seqs, num_key_blocks, *args[1:], lo)
+  if greedy and (plan_makespan(greedy, *args), len(greedy)) < (plan_makespan(best, *args), len(best)):
+    return greedy
+  return best
 
 
 def mosaic_tiles(M, S_max, T):
@@ -301,11 +342,23 @@ def mosaic_tiles(M, S_max, T):
   return pl.cdiv(M, block_m), pl.cdiv(S_max, block_k), pl.cdiv(T, block_k)
 
 
-def mosaic_split_counts(C, M, S_max, T):
-  """`choose_split_counts` for `mla_prefix_mosaic`'s tiles: C sequences of M query rows, S_max cache rows and
-  T tail rows each."""
+def mosaic_plan(C, M, S_max, T):
+  """`plan_splits` for `mla_prefix_mosaic`'s tiles: C sequences of M query rows, S_max cache rows and T tail
+  rows each."""
   num_m_blocks, num_key_blocks, num_tail_blocks = mosaic_tiles(M, S_max, T)
-  return choose_split_counts(num_m_blocks, C, num_key_blocks, num_tail_blocks, _NUM_SMS)
+  return plan_splits(num_m_blocks, C, num_key_blocks, num_tail_blocks, _NUM_SMS)
+
+
+def merge_groups(o_GMR, lse_GM, plan, num_seqs):
+  """[C, M, R] float32: each sequence's groups of the plan merged (a gather into [C, N, ...], N the most groups
+  a sequence has, unless the plan already is sequence after sequence with N groups each)."""
+  groups = [[g for g, (c, _, _) in enumerate(plan) if c == seq] for seq in range(num_seqs)]
+  N = max(map(len, groups))
+  if all(gs == list(range(seq * N, (seq + 1) * N)) for seq, gs in enumerate(groups)):
+    return _merge_partials(o_GMR.reshape(num_seqs, N, *o_GMR.shape[1:]), lse_GM.reshape(num_seqs, N, -1))
+  index = np.asarray([gs + gs[:1] * (N - len(gs)) for gs in groups])
+  real = np.asarray([[j < len(gs) for j in range(N)] for gs in groups])
+  return _merge_partials(o_GMR[index], jnp.where(real[..., None], lse_GM[index], -jnp.inf))
 
 
 PREFIX_KERNELS = ("auto", "triton", "mosaic")
@@ -322,19 +375,21 @@ def mosaic_prefix_fits(q_lat, cache):
 
 def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, tail, visibility, *, num_splits, qk_scale,
                       interpret, prefix_attention=mla_prefix_mosaic.mla_prefix_attention):
-  """The split partials from `mla_prefix_mosaic` (64-row tiles, 64-key blocks, one CTA an SM; the last split
-  also attends to the tail); the query rows are padded to whole tiles (TMA boxes may not exceed the array)
-  and the padding cut off again. prefix_attention: the kernel (another version of it in A/B races)."""
+  """(o [G, M, R], lse [G, M], plan): the partials of the plan's groups from `mla_prefix_mosaic` (64-row tiles,
+  64-key blocks, one CTA an SM; a sequence's last group also attends to the tail), under `mosaic_plan` or
+  num_splits equal splits a sequence. The query rows are padded to whole tiles (TMA boxes may not exceed the
+  array) and the padding cut off again. prefix_attention: the kernel (another version of it in A/B races)."""
   C, M, _ = q_lat_CMR.shape
   T = tail.shape[1]
-  num_splits = num_splits or mosaic_split_counts(C, M, cache.shape[1], T)
+  plan = (mla_prefix_mosaic.equal_plan(num_splits, C, mosaic_tiles(M, cache.shape[1], T)[1]) if num_splits
+          else mosaic_plan(C, M, cache.shape[1], T))
   block_m = mla_prefix_mosaic.BLOCK_M
   pad = [(0, 0), (0, pl.cdiv(M, block_m) * block_m - M), (0, 0)]
   q_CMD = jnp.pad(jnp.concatenate([q_lat_CMR, q_rope_CMP], axis=-1), pad)
   tail_visible_CMT = jnp.pad(jnp.repeat(visibility, M // T, axis=1), pad[:2] + [(0, 0)])  # row t * H + h: token t
-  o, lse = prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, num_splits=num_splits,
-                            qk_scale=qk_scale, cache_seq=cache_seq, interpret=interpret)
-  return o[:, :, :M], lse[:, :, :M]
+  o, lse = prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, plan=plan, qk_scale=qk_scale,
+                            cache_seq=cache_seq, interpret=interpret)
+  return o[:, :M], lse[:, :M], plan
 
 
 @functools.partial(jax.jit, static_argnames=["scale", "block_m", "block_k", "block_r", "num_splits", "num_warps",
@@ -348,7 +403,7 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
 
   Knobs: block_m query rows (tree token x head) per tile, clamped to T*H (at least 16); block_k
   prefix keys per step; block_r width of the latent chunks (default 256 for 64-row tiles, else R);
-  num_splits prefix ranges per sequence (default: Mosaic `mosaic_split_counts`, a count per sequence;
+  num_splits prefix ranges per sequence (default: Mosaic `mosaic_plan`, a split plan over the batch;
   Triton `choose_num_splits`, with one program per SM resident for 64-row tiles and two for 16-row tiles);
   num_warps (default 8 for block_m >= 64, else 4) and num_stages for Triton. prefix_kernel: "triton" (the kernel below), "mosaic" (`mla_prefix_mosaic`,
   warp-specialised; see `mosaic_prefix_fits`; block_m / block_k / block_r / warps / stages do not apply)
@@ -380,9 +435,10 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
     if not mosaic_prefix_fits(q_lat, cache):
       raise ValueError(f"prefix_kernel='mosaic' needs bf16 q and cache, (R, P) = (512, 64) and S_max % 8 == 0; "
                        f"got q_lat {q_lat.dtype}{q_lat.shape}, cache {cache.dtype}{cache.shape}")
-    o_CNMR, lse_CNM = _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len.astype(jnp.int32), tail,
-                                        visibility, num_splits=num_splits, qk_scale=qk_scale, interpret=interpret)
-    return _merge_partials(o_CNMR, lse_CNM).reshape(C, T, H, R).astype(q_lat.dtype)
+    o_GMR, lse_GM, plan = _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len.astype(jnp.int32),
+                                            tail, visibility, num_splits=num_splits, qk_scale=qk_scale,
+                                            interpret=interpret)
+    return merge_groups(o_GMR, lse_GM, plan, C).reshape(C, T, H, R).astype(q_lat.dtype)
   if num_splits is None:
     resident = _NUM_SMS * (1 if block_m >= 64 else 2)  # 64-row tiles fill an SM's shared memory
     num_splits = choose_num_splits(C * num_m_blocks, pl.cdiv(S_max, block_k), resident)

@@ -1,8 +1,9 @@
 """A/B race of Mosaic prefix-kernel variants, kernel alone, in one process on the same inputs: this tree's
 `pallas_kernels/mla_prefix_mosaic.py` ("head") against module files given as NAME=PATH (e.g. an older or a
 branch's copy: `git show seesaw:pallas_kernels/mla_prefix_mosaic.py > ab/seesaw.py`). Each row has every
-variant's time, % of the floor and merged output's rel diff from head. MOSAIC_GPU_DUMP_PTXAS=1 prints each compile's
-registers and spills.
+variant's time, % of the floor and merged output's rel diff from head; every variant runs the wrapper's split
+plan, so each must take `plan=` (the plan API of commit 2026-12-04 on). MOSAIC_GPU_DUMP_PTXAS=1 prints each
+compile's registers and spills.
 
   PYTHONPATH=. python3 scripts/race_mla_prefix.py --variant seesaw=ab/seesaw.py --out $OUT/race.json --commit SHA
 """
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mla_prefix_mosaic, tree_mla_attention as attn
-from scripts.bench_attn_parts import default_splits, kernel_only
+from scripts.bench_attn_parts import default_plan, kernel_only, plan_summary
 from scripts.bench_verify_attn import make_input_sets, new_record, num_sets_for, roofline, seconds_per_call
 
 
@@ -46,11 +47,12 @@ def main():
     C, S, T, H = point
     arg_sets = make_input_sets(C, S, T, H, num_sets_for(*point))
     _, _, floor, _ = roofline(*point, arg_sets[0][5], ceilings)
-    row, head_out = dict(C=C, prefix=S, T=T, H=H, split_counts=list(default_splits(*point)), floor_s=floor), None
-    for name, module in variants.items():  # each with the wrapper's split counts
+    plan = default_plan(*point)
+    row, head_out = dict(C=C, prefix=S, T=T, H=H, **plan_summary(plan, C), floor_s=floor), None
+    for name, module in variants.items():  # each with the wrapper's split plan
       print(f"=== {name} {point}", file=sys.stderr, flush=True)
       fn = jax.jit(functools.partial(kernel_only, num_splits=None, prefix_attention=module.mla_prefix_attention))
-      out = attn._merge_partials(*fn(*arg_sets[0]))  # compared merged: variants may split differently
+      out = attn.merge_groups(*fn(*arg_sets[0]), plan, C)
       head_out = out if head_out is None else head_out
       row[f"{name}_rel_diff"] = float(jnp.linalg.norm(out - head_out) / jnp.linalg.norm(head_out))
       row[f"{name}_s"] = seconds_per_call(fn, arg_sets)

@@ -29,32 +29,46 @@ def random_tail_visibility(rng, C, M, T, see_nothing=()):
   return jnp.asarray(visible)
 
 
-@pytest.mark.parametrize("num_splits,T", [(1, 70), (3, 9), ((2, 1, 3, 2), 9)])
-def test_partials_match_reference(num_splits, T):
+INTERLEAVED = ((1, 0, 2), (0, 0, 5), (1, 2, 5), (2, 0, 1), (3, 0, 4), (2, 1, 5), (3, 4, 5))
+
+
+@pytest.mark.parametrize("splits,T", [(1, 70), (3, 9), ((2, 1, 3, 2), 9), (INTERLEAVED, 9)])
+def test_partials_match_reference(splits, T):
   """Ragged prefixes (empty, one key, a partial block, a whole cache that is no multiple of 64), two row tiles,
-  a tail of 9 rows (one block) or 70 (two, the second mostly padding), the same split count for every sequence
-  or one each (the tail in each sequence's last); rows of the empty prefix that see no tail row must come out
-  0 with lse -inf, as must every row of a split without keys."""
+  a tail of 9 rows (one block) or 70 (two, the second mostly padding); equal splits for every sequence, a count
+  each, or an uneven plan whose sequences interleave (the tail in each sequence's last group). Rows of the empty
+  prefix that see no tail row must come out 0 with lse -inf, as must every row of a group without keys."""
   rng = np.random.default_rng(T)
   prefix_len = jnp.asarray([0, 1, 127, 264], jnp.int32)
   q, cache, tail = bf16_normal(rng, 4, 128, D), bf16_normal(rng, 4, 264, D), bf16_normal(rng, 4, T, D)
   visible = random_tail_visibility(rng, 4, 128, T, see_nothing=[(0, 3), (0, 100)])
-  counts = mp.split_counts(num_splits, 4)
-  run = functools.partial(mp.mla_prefix_attention, num_splits=num_splits, qk_scale=QK_SCALE, interpret=True)
+  plan = splits if isinstance(splits, tuple) and isinstance(splits[0], tuple) else mp.equal_plan(splits, 4, 5)
+  run = functools.partial(mp.mla_prefix_attention, plan=plan, qk_scale=QK_SCALE, interpret=True)
   o, lse = run(q, cache, prefix_len, tail, visible)
-  o_ref, lse_ref = mp.mla_prefix_reference(q, cache, prefix_len, tail, visible, num_splits=num_splits,
-                                           qk_scale=QK_SCALE)
-  assert o.shape == (4, max(counts), 128, mp.LAT_DIM) and lse.shape == (4, max(counts), 128)
-  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_ref))  # the same splits are empty
-  last = counts[0] - 1
-  assert np.isneginf(np.delete(np.asarray(lse[0]), last, axis=0)).all()  # no prefix: only the tail split
-  assert np.isneginf(lse[0, last, [3, 100]]).all() and not np.asarray(o[0, last, [3, 100]]).any()
+  o_ref, lse_ref = mp.mla_prefix_reference(q, cache, prefix_len, tail, visible, plan=plan, qk_scale=QK_SCALE)
+  assert o.shape == (len(plan), 128, mp.LAT_DIM) and lse.shape == (len(plan), 128)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_ref))  # the same groups are empty
+  seq0 = [g for g, group in enumerate(plan) if group[0] == 0]
+  assert np.isneginf(np.asarray(lse)[seq0[:-1]]).all()  # no prefix: only the tail group sees keys
+  assert np.isneginf(lse[seq0[-1], [3, 100]]).all() and not np.asarray(o[seq0[-1], [3, 100]]).any()
   assert not np.asarray(o)[np.isneginf(np.asarray(lse))].any()
   finite = np.isfinite(lse_ref)
   np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite], atol=2e-3)
   assert rel_err(o, o_ref) < 1e-2  # P is rounded to bf16 for the value MMA
-  if len(set(counts)) > 1:  # the splits past a sequence's count are empty; sequence 2's last has the tail
-    assert np.isneginf(lse[1, 1:]).all() and np.isneginf(lse[3, 2]).all() and np.isfinite(lse[2, 2]).all()
+  if plan == INTERLEAVED:  # the first groups of sequences 1 (one key) and 2 (two blocks) get no block
+    assert np.isneginf(lse[0]).all() and np.isneginf(lse[3]).all()
+    assert np.isfinite(lse[2]).all() and np.isfinite(lse[5]).all()
+
+
+def test_group_table_scales_the_plan_to_the_prefix():
+  """Planned bounds b land at floor(b * n / K) for a prefix of n key blocks: a full cache keeps the plan, a
+  shorter prefix is cut in its proportions, an empty one gives empty groups; only a sequence's last group
+  has the tail's blocks, and a prefix past S_max counts as S_max."""
+  plan = ((0, 0, 3), (1, 0, 8), (0, 3, 8))
+  table = mp.group_table(plan, jnp.asarray([512, 0], jnp.int32), 8, 2)
+  np.testing.assert_array_equal(table, [[0, 0, 3, 0], [1, 0, 0, 2], [0, 3, 5, 2]])
+  table = mp.group_table(plan, jnp.asarray([257, 9999], jnp.int32), 8, 1)  # 5 blocks; 157 blocks, clamped to 8
+  np.testing.assert_array_equal(table, [[0, 0, 1, 0], [1, 0, 8, 1], [0, 1, 4, 1]])
 
 
 def test_large_logits_stay_finite():
@@ -62,8 +76,9 @@ def test_large_logits_stay_finite():
   prefix_len = jnp.asarray([200], jnp.int32)
   q, cache = bf16_normal(rng, 1, 64, D, scale=30.0), bf16_normal(rng, 1, 200, D, scale=30.0)
   tail, visible = bf16_normal(rng, 1, 5, D, scale=30.0), random_tail_visibility(rng, 1, 64, 5)
-  o, lse = mp.mla_prefix_attention(q, cache, prefix_len, tail, visible, num_splits=1, qk_scale=1.0, interpret=True)
-  o_ref, _ = mp.mla_prefix_reference(q, cache, prefix_len, tail, visible, num_splits=1, qk_scale=1.0)
+  plan = mp.equal_plan(1, 1, 4)
+  o, lse = mp.mla_prefix_attention(q, cache, prefix_len, tail, visible, plan=plan, qk_scale=1.0, interpret=True)
+  o_ref, _ = mp.mla_prefix_reference(q, cache, prefix_len, tail, visible, plan=plan, qk_scale=1.0)
   assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(lse)).all()
   assert rel_err(o, o_ref) < 1e-2
 
@@ -94,7 +109,7 @@ def test_bad_arguments_raise():
   rng = np.random.default_rng(0)
   q, lens = bf16_normal(rng, 1, 64, D), jnp.asarray([5], jnp.int32)
   tail, visible = bf16_normal(rng, 1, 3, D), random_tail_visibility(rng, 1, 64, 3)
-  run = functools.partial(mp.mla_prefix_attention, num_splits=1, qk_scale=1.0, interpret=True)
+  run = functools.partial(mp.mla_prefix_attention, plan=((0, 0, 1),), qk_scale=1.0, interpret=True)
   with pytest.raises(ValueError, match="cache rows"):
     run(q, bf16_normal(rng, 1, 777, D), lens, tail, visible)
   with pytest.raises(ValueError, match="q rows"):
@@ -107,8 +122,11 @@ def test_bad_arguments_raise():
     run(q, bf16_normal(rng, 1, 64, D), lens, tail[..., :512], visible)
   for bad_splits in ((1, 2), 0):  # two counts for one sequence; no split
     with pytest.raises(ValueError, match="num_splits"):
-      mp.mla_prefix_attention(q, bf16_normal(rng, 1, 64, D), lens, tail, visible, num_splits=bad_splits,
-                              qk_scale=1.0, interpret=True)
+      mp.equal_plan(bad_splits, 1, 1)
+  for bad_plan in (((0, 0, 2), (0, 1, 2)), ((0, 0, 1), (1, 0, 2)), ((0, 1, 2),), ((0, 0, 1),)):
+    with pytest.raises(ValueError, match="plan"):  # overlap; no sequence 1; a gap at 0; short of the cache's 2
+      mp.mla_prefix_attention(q, bf16_normal(rng, 1, 128, D), lens, tail, visible, plan=bad_plan, qk_scale=1.0,
+                              interpret=True)
   args = make_inputs(1, 2, 16, R=mp.LAT_DIM, P=mp.ROPE_DIM, prefix_lens=[3], S=777, dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="S_max % 8"):
     tree_mla_attention(*args, scale=0.05, prefix_kernel="mosaic", interpret=True)

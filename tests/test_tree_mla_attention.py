@@ -10,8 +10,9 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, Mesh, use_abstract_mesh
 
 from k26jax import ddtree
-from pallas_kernels.tree_mla_attention import (choose_num_splits, choose_split_counts,
-                                               list_schedule_makespan, tree_mla_attention, tree_mla_attention_reference,
+from pallas_kernels import mla_prefix_mosaic
+from pallas_kernels.tree_mla_attention import (choose_num_splits, list_schedule_makespan, merge_groups, plan_makespan,
+                                               plan_splits, tree_mla_attention, tree_mla_attention_reference,
                                                tree_mla_attention_sharded)
 
 R, P = 64, 16  # the tiny model's latent / rope widths
@@ -224,14 +225,37 @@ def test_list_schedule_makespan():
     assert list_schedule_makespan([7, 2, 2, 2, 2], 2) == 8  # the short ones fill the slot beside the long one
 
 
-@pytest.mark.parametrize("m_blocks,C,key_blocks,tail_blocks,want", [
-    (9, 8, 512, 2, (3, 3, 3, 3, 4, 4, 4, 4)),  # C=8/32K/T=65/H=8: 261 programs in two waves, not 360 in three
-    (1, 8, 512, 1, (16,) * 8),                 # decode at 64 heads: one wave either way
-    (65, 8, 512, 2, (1,) * 8),                 # C=8 verify at 64 heads: 520 programs, already four waves
+@pytest.mark.parametrize("m_blocks,C,key_blocks,tail_blocks,most_makespan,uniform_splits", [
+    (9, 8, 512, 2, 307, None),  # C=8/32K/T=65/H=8: per-sequence counts 3 and 4 model 334, 5 each 357
+    (17, 16, 128, 3, 326, None),  # C=16/8K/T=129/H=8: counts 2 and 3 model 366
+    (65, 8, 512, 2, 2120, 1),  # C=8 verify at 64 heads: 520 programs, already four waves; one group a sequence
+    (1, 1, 12, 1, 21, 3),  # a short cache: equal splits of 4 key blocks (the greedy plan never cuts below 16)
 ])
-def test_choose_split_counts(m_blocks, C, key_blocks, tail_blocks, want):
-    counts = choose_split_counts(m_blocks, C, key_blocks, tail_blocks, 132)
-    assert counts == want
-    uniform = choose_num_splits(C * m_blocks, key_blocks, 132)
-    assert len(counts) == C and min(counts) >= max(1, uniform // 2) and max(counts) <= uniform + 1
+def test_plan_splits(m_blocks, C, key_blocks, tail_blocks, most_makespan, uniform_splits):
+    """The plan is valid, never models slower than equal splits, and meets the makespan its model found when it
+    was written (equal splits, sequence after sequence, where uniform_splits is given)."""
+    plan = plan_splits(m_blocks, C, key_blocks, tail_blocks, 132)
+    assert mla_prefix_mosaic.check_plan(plan, C, key_blocks) == plan
+    equal = mla_prefix_mosaic.equal_plan(choose_num_splits(C * m_blocks, key_blocks, 132), C, key_blocks)
+    makespan = plan_makespan(plan, m_blocks, tail_blocks, 132)
+    assert makespan <= min(most_makespan, plan_makespan(equal, m_blocks, tail_blocks, 132))
+    if uniform_splits:
+        assert plan == mla_prefix_mosaic.equal_plan(uniform_splits, C, key_blocks)
+    else:
+        last = {c: g for g, (c, _, _) in enumerate(plan)}  # a last group may hold less: the rest, and the tail
+        assert all(end - first >= 16 for g, (c, first, end) in enumerate(plan) if g != last[c])
 
+
+@pytest.mark.parametrize("T,H,prefix_lens", [(2, 32, [0, 64, 100, 2000]), (1, 64, [3000, 1, 2048, 2047])])
+def test_merge_of_an_interleaved_plan(T, H, prefix_lens):
+    """merge_groups gathers each sequence's groups, wherever the plan puts them, into the exact merge; checked
+    on the float32 reference partials against the whole reference (ragged and empty prefixes, odd splits)."""
+    q_lat, q_rope, cache, prefix_len, tail, vis = make_inputs(9, T, H, R=512, P=64, prefix_lens=prefix_lens, S=3008)
+    plan = ((2, 0, 10), (0, 0, 47), (3, 0, 30), (2, 10, 11), (1, 0, 20), (3, 30, 47), (2, 11, 47), (1, 20, 47))
+    M = T * H
+    q = jnp.concatenate([q_lat.reshape(4, M, 512), q_rope.reshape(4, M, 64)], -1)
+    tail_visible = jnp.repeat(vis, H, axis=1)
+    o, lse = mla_prefix_mosaic.mla_prefix_reference(q, cache, prefix_len, tail, tail_visible, plan=plan, qk_scale=0.3)
+    merged = merge_groups(o, lse, plan, 4).reshape(4, T, H, 512)
+    want = tree_mla_attention_reference(q_lat, q_rope, cache, prefix_len, tail, vis, scale=0.3 / np.log2(np.e))
+    assert rel_err(merged, want) < 1e-5

@@ -1,8 +1,8 @@
-"""GPU check of per-sequence prefix split counts (bf16 kernel vs float32 references): the Mosaic kernel's partials
-against `mla_prefix_reference` at given counts (ragged prefixes, empty splits), then whole tree attention at the
-two shapes whose default counts differ per sequence (the first with ragged prefixes).
+"""GPU check of prefix split plans (bf16 kernel vs float32 references): the Mosaic kernel's partials against
+`mla_prefix_reference` under given plans (ragged prefixes, empty groups, sequences interleaved), then whole tree
+attention at the two shapes whose default plans are uneven (the first with ragged prefixes).
 
-  PYTHONPATH=. python3 scripts/check_split_counts.py --out $OUT/checks.json
+  PYTHONPATH=. python3 scripts/check_split_plans.py --out $OUT/checks.json
 """
 import argparse
 import functools
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import mla_prefix_mosaic as mp, tree_mla_attention as attn
-from scripts.bench_attn_parts import default_splits
+from scripts.bench_attn_parts import default_plan, plan_summary
 from scripts.bench_verify_attn import SCALE, make_input_sets, reference_output, relative_error
 
 QK_SCALE = 0.06
@@ -22,20 +22,20 @@ QK_SCALE = 0.06
 
 def partial_checks():
   rng = np.random.default_rng(0)
-  C, M, S, T = 4, 128, 3008, 70
+  C, M, S, T = 4, 128, 3008, 70  # 47 key blocks a sequence
   prefix_len = jnp.asarray([0, 1, 1234, 3008], jnp.int32)
   q, cache, tail = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
                     for shape in ((C, M, 576), (C, S, 576), (C, T, 576)))
   visible = jnp.asarray(rng.random((C, M, T)) < 0.4).at[:, :, 0].set(True)
-  for counts in ((1, 3, 2, 3), (3, 3, 3, 3), (2, 1, 3, 1)):
-    o, lse = mp.mla_prefix_attention(q, cache, prefix_len, tail, visible, num_splits=counts, qk_scale=QK_SCALE)
-    o_ref, lse_ref = mp.mla_prefix_reference(q, cache, prefix_len, tail, visible, num_splits=counts,
-                                             qk_scale=QK_SCALE)
+  interleaved = ((2, 0, 10), (0, 0, 47), (3, 0, 30), (2, 10, 11), (1, 0, 20), (3, 30, 47), (2, 11, 47), (1, 20, 47))
+  for plan in (mp.equal_plan((1, 3, 2, 3), C, 47), mp.equal_plan(3, C, 47), interleaved):
+    o, lse = mp.mla_prefix_attention(q, cache, prefix_len, tail, visible, plan=plan, qk_scale=QK_SCALE)
+    o_ref, lse_ref = mp.mla_prefix_reference(q, cache, prefix_len, tail, visible, plan=plan, qk_scale=QK_SCALE)
     seen = np.isfinite(np.asarray(lse_ref))
-    merged = attn._merge_partials(o, lse)
-    yield dict(counts=list(counts), same_empty=bool((np.isfinite(np.asarray(lse)) == seen).all()),
+    merged = attn.merge_groups(o, lse, plan, C)
+    yield dict(plan=plan, same_empty=bool((np.isfinite(np.asarray(lse)) == seen).all()),
                lse_max_abs=float(np.abs(np.asarray(lse)[seen] - np.asarray(lse_ref)[seen]).max()),
-               merged_rel_err=relative_error(merged, attn._merge_partials(o_ref, lse_ref)),
+               merged_rel_err=relative_error(merged, attn.merge_groups(o_ref, lse_ref, plan, C)),
                finite=bool(np.isfinite(np.asarray(merged)).all()))
 
 
@@ -44,8 +44,8 @@ def tree_checks():
                             ((16, 8192, 129, 8), None)]:
     args = make_input_sets(*point, 1, seed=3, prefix_len=prefix_len)[0]
     out = jax.jit(functools.partial(attn.tree_mla_attention, scale=SCALE))(*args)
-    yield dict(point=point, counts=list(default_splits(*point)), rel_err=relative_error(out, reference_output(args)),
-               finite=bool(jnp.isfinite(out.astype(jnp.float32)).all()))
+    yield dict(point=point, **plan_summary(default_plan(*point), point[0]),
+               rel_err=relative_error(out, reference_output(args)), finite=bool(jnp.isfinite(out.astype(jnp.float32)).all()))
 
 
 def main():
