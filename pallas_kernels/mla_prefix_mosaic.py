@@ -77,15 +77,19 @@ def equal_plan(num_splits, num_seqs, num_key_blocks):
   return tuple(plan)
 
 
-def group_table(plan, prefix_len, num_key_blocks, num_tail_blocks):
-  """int32 [G, 4]: (sequence, first key block, cache key blocks, tail key blocks) of each group of the plan, for
-  the actual prefix lengths [C]: a planned block bound b of sequence c lands at floor(b * n_c / num_key_blocks),
-  n_c = ceil(prefix_len[c] / BLOCK_K), so the groups split a shorter prefix in the planned proportions."""
+def group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_blocks):
+  """int32 [G, 6], a row per group of the plan: (sequence c, its cache row cache_seq[c], first key block, cache
+  key blocks, tail key blocks, prefix keys from the first block on) for the actual prefix lengths [C]. A planned
+  block bound b of sequence c lands at floor(b * n_c / num_key_blocks), n_c = ceil(prefix_len[c] / BLOCK_K), so
+  the groups split a shorter prefix in the planned proportions. The kernel reads these instead of computing
+  them: each value it derives itself stays live across the key loop (spills)."""
   seq, first, end = (jnp.asarray(column, jnp.int32) for column in zip(*plan))
   takes_tail = jnp.asarray([all(c != later[0] for later in plan[g + 1:]) for g, (c, _, _) in enumerate(plan)])
-  blocks = jnp.minimum(lax.div(prefix_len.astype(jnp.int32) + BLOCK_K - 1, BLOCK_K), num_key_blocks)[seq]
+  prefix_len = prefix_len.astype(jnp.int32)[seq]
+  blocks = jnp.minimum(lax.div(prefix_len + BLOCK_K - 1, BLOCK_K), num_key_blocks)
   first, end = (lax.div(bound * blocks, max(num_key_blocks, 1)) for bound in (first, end))
-  return jnp.stack([seq, first, end - first, jnp.where(takes_tail, num_tail_blocks, 0)], axis=1)
+  return jnp.stack([seq, cache_seq.astype(jnp.int32)[seq], first, end - first,
+                    jnp.where(takes_tail, num_tail_blocks, 0), prefix_len - first * BLOCK_K], axis=1)
 
 
 def tail_visibility_bits(tail_visible_CMT, num_rows):
@@ -109,7 +113,7 @@ def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
   C, M, _ = q_CMD.shape
   S_max, T = cache.shape[1], tail.shape[1]
   plan = check_plan(plan, C, pl.cdiv(S_max, BLOCK_K))
-  seq, first, steps, tail_steps = group_table(plan, prefix_len, pl.cdiv(S_max, BLOCK_K), 1).T
+  seq, _, first, steps, tail_steps, _ = group_table(plan, prefix_len, jnp.arange(C), pl.cdiv(S_max, BLOCK_K), 1).T
   keys = jnp.concatenate([cache, tail], axis=1).astype(f32)[seq]
   s_GMK = jnp.einsum("gmd,gkd->gmk", q_CMD.astype(f32)[seq], keys, precision=hi) * qk_scale
   key_block = jnp.arange(S_max) // BLOCK_K
@@ -138,16 +142,14 @@ def _accumulate(acc, issue_dots, interpret):
   return pl.run_state(issue_dots)(plgpu.ACC.init(acc))
 
 
-def _kernel(prefix_len_ref, cache_seq_ref, group_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
+def _kernel(group_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
             q_and_out, kv_smem, p_smem, row_smem, q_bar, bits_bar, kv_bars, consumed_bars, row_bar, p_bar, *,
             num_tail, qk_scale, interpret):
   m_blk, group, wg = (lax.axis_index(n) for n in ("m", "group", "wg"))
   q_smem, (o_stage, lse_smem) = q_and_out
   bits_smem = row_smem.at[pl.ds(2, row_smem.shape[0] - 2)]  # the tail's visibility words, as float32 bits
   rows = pl.ds(pl.multiple_of(m_blk * BLOCK_M, BLOCK_M), BLOCK_M)  # TMA tiling needs the alignment proven
-  # read, not computed: a split range computed from a per-sequence count cost 64-head shapes 400-800 B of spills
-  c, first, steps, tail_steps = (group_ref[group, j] for j in range(4))
-  prefix_len, seq = prefix_len_ref[c], cache_seq_ref[c]
+  c, seq, first, steps, tail_steps, prefix_keys = (group_ref[group, j] for j in range(6))  # see `group_table`
   total = steps + tail_steps  # key blocks [0, steps) come from the cache, then the tail's
 
   @pl.when(wg == 2)
@@ -203,7 +205,7 @@ def _kernel(prefix_len_ref, cache_seq_ref, group_ref, q_ref, cache_ref, tail_ref
     def visible_keys(i, col, tail):
       """[64, 32] bool: which keys of this warpgroup's half of block i each row sees."""
       if not tail:
-        return (first + i) * BLOCK_K + w * HALF_K + col < prefix_len
+        return i * BLOCK_K + w * HALF_K + col < prefix_keys
       half_block = (i - steps) * 2 + w  # of the tail; the last one's word, if no key of it is a tail row
       word = plgpu.load(bits_smem.at[jnp.minimum(half_block, bits_smem.shape[0] - 1)], layout=_ROW, optimized=False)
       bits = lax.broadcast_in_dim(lax.bitcast_convert_type(word, jnp.int32), col.shape, [0])
@@ -348,5 +350,5 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
   )
   if cache_seq is None:
     cache_seq = jnp.arange(C, dtype=jnp.int32)
-  groups = group_table(plan, prefix_len, num_key_blocks, num_tail_rows // BLOCK_K)
-  return kernel(prefix_len.astype(jnp.int32), cache_seq.astype(jnp.int32), groups, q_CMD, cache, tail, bits)
+  return kernel(group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_rows // BLOCK_K), q_CMD, cache,
+                tail, bits)

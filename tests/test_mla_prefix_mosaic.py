@@ -63,12 +63,12 @@ def test_partials_match_reference(splits, T):
 def test_group_table_scales_the_plan_to_the_prefix():
   """Planned bounds b land at floor(b * n / K) for a prefix of n key blocks: a full cache keeps the plan, a
   shorter prefix is cut in its proportions, an empty one gives empty groups; only a sequence's last group
-  has the tail's blocks, and a prefix past S_max counts as S_max."""
-  plan = ((0, 0, 3), (1, 0, 8), (0, 3, 8))
-  table = mp.group_table(plan, jnp.asarray([512, 0], jnp.int32), 8, 2)
-  np.testing.assert_array_equal(table, [[0, 0, 3, 0], [1, 0, 0, 2], [0, 3, 5, 2]])
-  table = mp.group_table(plan, jnp.asarray([257, 9999], jnp.int32), 8, 1)  # 5 blocks; 157 blocks, clamped to 8
-  np.testing.assert_array_equal(table, [[0, 0, 1, 0], [1, 0, 8, 1], [0, 1, 4, 1]])
+  has the tail's blocks, and a prefix past S_max counts as S_max for the blocks."""
+  plan, cache_seq = ((0, 0, 3), (1, 0, 8), (0, 3, 8)), jnp.asarray([6, 7], jnp.int32)
+  table = mp.group_table(plan, jnp.asarray([512, 0], jnp.int32), cache_seq, 8, 2)
+  np.testing.assert_array_equal(table, [[0, 6, 0, 3, 0, 512], [1, 7, 0, 0, 2, 0], [0, 6, 3, 5, 2, 320]])
+  table = mp.group_table(plan, jnp.asarray([257, 9999], jnp.int32), cache_seq, 8, 1)  # 5 blocks; 157, clamped to 8
+  np.testing.assert_array_equal(table, [[0, 6, 0, 1, 0, 257], [1, 7, 0, 8, 1, 9999], [0, 6, 1, 4, 1, 193]])
 
 
 def test_large_logits_stay_finite():
