@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k26jax import ddtree
-from pallas_kernels.tree_mla_attention import tree_mla_attention, tree_mla_attention_reference
+from pallas_kernels.tree_mla_attention import mosaic_plan, tree_mla_attention, tree_mla_attention_reference
 
 R, P = 512, 64
 HBM_BYTES_PER_S, MMA_FLOPS_PER_S = 4.0e12, 620e12
@@ -298,6 +298,9 @@ def main():
     arg_sets = make_input_sets(*point, num_sets_for(*point))
     row = time_row(point, arg_sets, ceilings, kernels[point], knobs_for(point), compiled.get(("naive", point)))
     row["regime"] = regime(point[2], point[3])
+    if row["regime"] != "decode_tp8":  # the Mosaic kernel's split plan: groups of each sequence
+      plan = mosaic_plan(point[0], point[2] * point[3], point[1], point[2])
+      row["groups_per_seq"] = [sum(group[0] == c for group in plan) for c in range(point[0])]
     record["rows"].append(row)
     print(fmt(row), flush=True)
     del arg_sets
