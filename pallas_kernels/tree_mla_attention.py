@@ -350,15 +350,20 @@ def mosaic_plan(C, M, S_max, T):
 
 
 def merge_groups(o_GMR, lse_GM, plan, num_seqs):
-  """[C, M, R] float32: each sequence's groups of the plan merged (a gather into [C, N, ...], N the most groups
-  a sequence has, unless the plan already is sequence after sequence with N groups each)."""
+  """[C, M, R] float32: each sequence's groups of the plan merged. Sequences with the same number of groups are
+  merged together (their groups gathered into [C_n, n, ...], so only real partials are read), then put back in
+  order; a plan that is sequence after sequence with one count is merged in place."""
   groups = [[g for g, (c, _, _) in enumerate(plan) if c == seq] for seq in range(num_seqs)]
-  N = max(map(len, groups))
+  N = len(groups[0])
   if all(gs == list(range(seq * N, (seq + 1) * N)) for seq, gs in enumerate(groups)):
     return _merge_partials(o_GMR.reshape(num_seqs, N, *o_GMR.shape[1:]), lse_GM.reshape(num_seqs, N, -1))
-  index = np.asarray([gs + gs[:1] * (N - len(gs)) for gs in groups])
-  real = np.asarray([[j < len(gs) for j in range(N)] for gs in groups])
-  return _merge_partials(o_GMR[index], jnp.where(real[..., None], lse_GM[index], -jnp.inf))
+  merged, order = [], []
+  for count in sorted({len(gs) for gs in groups}):
+    seqs = [seq for seq, gs in enumerate(groups) if len(gs) == count]
+    index = np.asarray([groups[seq] for seq in seqs])
+    merged.append(_merge_partials(o_GMR[index], lse_GM[index]))
+    order += seqs
+  return jnp.concatenate(merged)[np.argsort(order)]
 
 
 PREFIX_KERNELS = ("auto", "triton", "mosaic")
