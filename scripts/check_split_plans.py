@@ -1,6 +1,7 @@
 """GPU check of prefix split plans (bf16 kernel vs float32 references): the Mosaic kernel's partials against
 `mla_prefix_reference` under given plans (ragged prefixes, empty groups, sequences interleaved), then whole tree
-attention at the two shapes whose default plans are uneven (the first with ragged prefixes).
+attention at the two shapes whose default plans are uneven (the first with ragged prefixes), and on one layer of
+a cache stack.
 
   PYTHONPATH=. python3 scripts/check_split_plans.py --out $OUT/checks.json
 """
@@ -48,12 +49,25 @@ def tree_checks():
                rel_err=relative_error(out, reference_output(args)), finite=bool(jnp.isfinite(out.astype(jnp.float32)).all()))
 
 
+def layer_checks():
+  """The wrapper on layer 2 of a [3, C, S, 576] cache stack (each group's cache row is layer * C + c) against the
+  float32 reference on that layer, at a shape whose plan interleaves sequences, with ragged prefixes."""
+  point, prefix_len = (8, 8192, 65, 8), [8192, 0, 5, 6000, 8192, 1, 7000, 64]
+  q_lat, q_rope, cache, lens, tail, vis = make_input_sets(*point, 1, seed=4, prefix_len=prefix_len)[0]
+  stack = jnp.stack([jnp.roll(cache, shift, axis=1) for shift in (1, 2, 0)])
+  out = jax.jit(functools.partial(attn.tree_mla_attention, scale=SCALE))(q_lat, q_rope, stack, lens, tail, vis,
+                                                                         layer=jnp.int32(2))
+  yield dict(point=point, layer=2, **plan_summary(default_plan(*point), point[0]),
+             rel_err=relative_error(out, reference_output((q_lat, q_rope, cache, lens, tail, vis))),
+             finite=bool(jnp.isfinite(out.astype(jnp.float32)).all()))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
   out_path = parser.parse_args().out
   rows = []
-  for row in itertools.chain(partial_checks(), tree_checks()):
+  for row in itertools.chain(partial_checks(), tree_checks(), layer_checks()):
     rows.append(row)
     print(row, flush=True)
   json.dump(rows, open(out_path, "w"), indent=1)
