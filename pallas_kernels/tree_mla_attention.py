@@ -314,25 +314,25 @@ def _fill_plan(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks, resident
 @functools.lru_cache(maxsize=256)
 def plan_splits(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks, resident_programs):
   """The split plan (`mla_prefix_mosaic.check_plan`) for the Mosaic kernel, whose grid launches a group's row
-  tiles side by side, then the groups in plan order: `choose_num_splits`'s equal splits, or, if the model
-  ends it sooner, the greedy plan (`_fill_plan`) at the least makespan it meets (binary search). Like every
+  tiles side by side, then the groups in plan order: the modelled fastest, then the one with fewest groups, of
+  equal splits (n a sequence, n from half `choose_num_splits`'s count to all of it) and the greedy plan
+  (`_fill_plan`) at the least makespan it meets (binary search). Like every
   split choice here it plans full caches (S_max keys a sequence); the kernel cuts a shorter prefix in the same
   proportions. C=8/32K/T=65/H=8: a modelled 307 key blocks against 334 for per-sequence counts 3 and 4 and 357
-  for 5 each (bench/verify_attn.md, run 23)."""
+  for 5 each (bench/verify_attn.md, runs 22-24)."""
   args = num_m_blocks, num_tail_blocks, resident_programs
+  cost = lambda plan: (plan_makespan(plan, *args), len(plan))
   uniform = choose_num_splits(num_seqs * num_m_blocks, num_key_blocks, resident_programs)
-  best = mla_prefix_mosaic.equal_plan(uniform, num_seqs, num_key_blocks)
-  lo, hi = pl.cdiv(num_seqs * num_m_blocks * (num_key_blocks + num_tail_blocks), resident_programs), \
-      plan_makespan(best, *args) - 1
+  best = min((mla_prefix_mosaic.equal_plan(n, num_seqs, num_key_blocks) for n in range(max(1, uniform // 2),
+                                                                                     uniform + 1)), key=cost)
   if num_m_blocks > resident_programs:  # a group's tiles would not start together
     return best
+  lo, hi = pl.cdiv(num_seqs * num_m_blocks * (num_key_blocks + num_tail_blocks), resident_programs), cost(best)[0] - 1
   while lo < hi:
     mid = (lo + hi) // 2
     lo, hi = (lo, mid) if _fill_plan(num_m_blocks, num_seqs, num_key_blocks, *args[1:], mid) else (mid + 1, hi)
   greedy = _fill_plan(num_m_blocks, num_seqs, num_key_blocks, *args[1:], lo)
-  if greedy and (plan_makespan(greedy, *args), len(greedy)) < (plan_makespan(best, *args), len(best)):
-    return greedy
-  return best
+  return greedy if greedy and cost(greedy) < cost(best) else best
 
 
 def mosaic_tiles(M, S_max, T):

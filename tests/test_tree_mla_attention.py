@@ -230,10 +230,11 @@ def test_list_schedule_makespan():
     (17, 16, 128, 3, 326, None),  # C=16/8K/T=129/H=8: counts 2 and 3 model 366
     (65, 8, 512, 2, 2120, 1),  # C=8 verify at 64 heads: 520 programs, already four waves; one group a sequence
     (1, 1, 12, 1, 21, 3),  # a short cache: equal splits of 4 key blocks (the greedy plan never cuts below 16)
+    (1, 8, 128, 1, 25, 15),  # decode at 8K, 64 heads: 15 splits a sequence end as soon as 16, with fewer groups
 ])
 def test_plan_splits(m_blocks, C, key_blocks, tail_blocks, most_makespan, uniform_splits):
-    """The plan is valid, never models slower than equal splits, and meets the makespan its model found when it
-    was written (equal splits, sequence after sequence, where uniform_splits is given)."""
+    """The plan is valid, never models slower than `choose_num_splits`'s equal splits, and meets the makespan its
+    model found when it was written (equal splits, sequence after sequence, where uniform_splits is given)."""
     plan = plan_splits(m_blocks, C, key_blocks, tail_blocks, 132)
     assert mla_prefix_mosaic.check_plan(plan, C, key_blocks) == plan
     equal = mla_prefix_mosaic.equal_plan(choose_num_splits(C * m_blocks, key_blocks, 132), C, key_blocks)
