@@ -27,7 +27,7 @@ Tail blocks come from the tail rows (padded to whole blocks); which of them a qu
 FlashMLA's "seesaw" schedule (each warpgroup scores whole blocks in turn) measured 2.0-2.4x slower here: it
 spills registers (bench/verify_attn.md, runs 11-13). Balanced key ranges over the whole batch (FlashMLA's tile
 scheduler) measured 3-9% faster at the 8-head verify shapes but 1-5% slower at 64 heads, again from spills
-(runs 14-16); split plans take that gain without touching the key loop (runs 17-21 and 23).
+(runs 14-16); split plans (`check_plan`) take that gain without touching the key loop (runs 17-26).
 Neither branch survived into this repository's history.
 """
 import functools

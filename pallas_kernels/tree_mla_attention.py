@@ -13,9 +13,10 @@ kernel splits each sequence's prefix into `num_splits` ranges (flash-decoding); 
 attends over the tree rows under the ancestor mask. Each program writes a normalised partial output
 and its base-2 log-sum-exp; an exact log-sum-exp merge in XLA combines them.
 Two backends: the Pallas-Triton prefix and tail kernels below, and a warp-specialised Pallas Mosaic GPU
-kernel (`mla_prefix_mosaic.py`) that does the prefix splits and, in its last split, the tail. It does not
-repeat the score MMA in both warpgroups and is the default where it fits (1.7x faster for tree verify on
-the H200, bench/verify_attn.md).
+kernel (`mla_prefix_mosaic.py`) that does the prefix splits, as groups of key blocks laid out over the whole
+batch by a split plan (`plan_splits`), and, in each sequence's last group, the tail. It does not repeat the
+score MMA in both warpgroups and is the default where it fits (1.7x faster for tree verify on the H200,
+bench/verify_attn.md).
 """
 import functools
 import heapq
@@ -316,9 +317,8 @@ def plan_splits(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks, residen
   """The split plan (`mla_prefix_mosaic.check_plan`) for the Mosaic kernel, whose grid launches a group's row
   tiles side by side, then the groups in plan order: the modelled fastest, then the one with fewest groups, of
   equal splits (n a sequence, n from half `choose_num_splits`'s count to all of it) and the greedy plan
-  (`_fill_plan`) at the least makespan it meets (binary search). Like every
-  split choice here it plans full caches (S_max keys a sequence); the kernel cuts a shorter prefix in the same
-  proportions. C=8/32K/T=65/H=8: a modelled 307 key blocks against 334 for per-sequence counts 3 and 4 and 357
+  (`_fill_plan`) at the least makespan it meets (binary search). Like every split choice here it plans full
+  caches (S_max keys a sequence); the kernel cuts a shorter prefix in the same proportions. C=8/32K/T=65/H=8: a modelled 307 key blocks against 334 for per-sequence counts 3 and 4 and 357
   for 5 each (bench/verify_attn.md, runs 22-24)."""
   args = num_m_blocks, num_tail_blocks, resident_programs
   cost = lambda plan: (plan_makespan(plan, *args), len(plan))
