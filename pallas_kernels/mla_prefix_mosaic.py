@@ -311,8 +311,8 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
     raise ValueError(f"q rows ({M}) must be a multiple of {BLOCK_M} and cache rows ({cache.shape[1]}) of 8 "
                      "(TMA tiles; tree_mla_attention pads the queries)")
   num_key_blocks = pl.cdiv(cache.shape[1], BLOCK_K)
-  if num_key_blocks ** 2 >= 2 ** 31:
-    raise ValueError(f"cache rows ({cache.shape[1]}) must stay under {BLOCK_K * 46341} (int32 group bounds)")
+  if num_key_blocks ** 2 >= 2 ** 31:  # group_table multiplies two block counts in int32
+    raise ValueError(f"cache rows ({cache.shape[1]}) must be at most {BLOCK_K * 46340} (int32 group bounds)")
   plan = check_plan(plan, C, num_key_blocks)
   dtype = q_CMD.dtype
   num_tail_rows = pl.cdiv(T, BLOCK_K) * BLOCK_K  # whole key blocks, so every TMA box is in bounds

@@ -127,6 +127,10 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="plan"):  # overlap; no sequence 1; a gap at 0; short of the cache's 2
       mp.mla_prefix_attention(q, bf16_normal(rng, 1, 128, D), lens, tail, visible, plan=bad_plan, qk_scale=1.0,
                               interpret=True)
+  huge_cache = jax.ShapeDtypeStruct((1, 64 * 46340 + 8, D), jnp.bfloat16)  # traced only, never allocated
+  with pytest.raises(ValueError, match="at most 2965760"):
+    jax.eval_shape(functools.partial(mp.mla_prefix_attention, plan=((0, 0, 46341),), qk_scale=1.0, interpret=True),
+                   q, huge_cache, lens, tail, visible)
   args = make_inputs(1, 2, 16, R=mp.LAT_DIM, P=mp.ROPE_DIM, prefix_lens=[3], S=777, dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="S_max % 8"):
     tree_mla_attention(*args, scale=0.05, prefix_kernel="mosaic", interpret=True)
