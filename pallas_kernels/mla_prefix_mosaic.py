@@ -64,6 +64,14 @@ def check_plan(plan, num_seqs, num_key_blocks):
   return plan
 
 
+def sequence_groups(plan, num_seqs):
+  """For each sequence c < num_seqs, the indices of its groups in the plan, in order (the last takes the tail)."""
+  groups = [[] for _ in range(num_seqs)]
+  for g, (c, _, _) in enumerate(plan):
+    groups[c].append(g)
+  return groups
+
+
 def equal_plan(num_splits, num_seqs, num_key_blocks):
   """The plan of num_splits (one count for every sequence, or a tuple with each sequence's) equal splits a
   sequence, sequence after sequence (the last ones empty where a sequence has fewer key blocks than splits)."""
@@ -84,7 +92,8 @@ def group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_blocks):
   the groups split a shorter prefix in the planned proportions. The kernel reads these instead of computing
   them: each value it derives itself stays live across the key loop (spills)."""
   seq, first, end = (jnp.asarray(column, jnp.int32) for column in zip(*plan))
-  takes_tail = jnp.asarray([all(c != later[0] for later in plan[g + 1:]) for g, (c, _, _) in enumerate(plan)])
+  tail_groups = [groups[-1] for groups in sequence_groups(plan, prefix_len.shape[0]) if groups]
+  takes_tail = jnp.zeros(len(plan), jnp.bool_).at[jnp.asarray(tail_groups, jnp.int32)].set(True)
   prefix_len = prefix_len.astype(jnp.int32)[seq]
   blocks = jnp.minimum(lax.div(prefix_len + BLOCK_K - 1, BLOCK_K), num_key_blocks)
   first, end = (lax.div(bound * blocks, max(num_key_blocks, 1)) for bound in (first, end))

@@ -279,9 +279,10 @@ _MIN_GROUP_BLOCKS = 16
 def _program_sizes(plan, num_m_blocks, num_tail_blocks):
   """The plan's programs in launch order (each group's row tiles side by side), each costing its key blocks (the
   tail's in a sequence's last group) plus `_SPLIT_OVERHEAD_BLOCKS`, or 1 if it has none."""
-  last_group = {c: g for g, (c, _, _) in enumerate(plan)}
-  for g, (c, first, end) in enumerate(plan):
-    blocks = end - first + (num_tail_blocks if last_group[c] == g else 0)
+  tail_groups = {groups[-1] for groups in mla_prefix_mosaic.sequence_groups(plan, 1 + max(c for c, _, _ in plan))
+                 if groups}
+  for g, (_, first, end) in enumerate(plan):
+    blocks = end - first + (num_tail_blocks if g in tail_groups else 0)
     yield from [blocks + _SPLIT_OVERHEAD_BLOCKS if blocks else 1] * num_m_blocks
 
 
@@ -318,7 +319,8 @@ def plan_splits(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks, residen
   tiles side by side, then the groups in plan order: the modelled fastest, then the one with fewest groups, of
   equal splits (n a sequence, n from half `choose_num_splits`'s count to all of it) and the greedy plan
   (`_fill_plan`) at the least makespan it meets (binary search). Like every split choice here it plans full
-  caches (S_max keys a sequence); the kernel cuts a shorter prefix in the same proportions. C=8/32K/T=65/H=8: a modelled 307 key blocks against 334 for per-sequence counts 3 and 4 and 357
+  caches (S_max keys a sequence); the kernel cuts a shorter prefix in the same proportions.
+  C=8/32K/T=65/H=8: a modelled 307 key blocks against 334 for per-sequence counts 3 and 4 and 357
   for 5 each (bench/verify_attn.md, runs 22-24)."""
   args = num_m_blocks, num_tail_blocks, resident_programs
   cost = lambda plan: (plan_makespan(plan, *args), len(plan))
@@ -353,7 +355,7 @@ def merge_groups(o_GMR, lse_GM, plan, num_seqs):
   """[C, M, R] float32: each sequence's groups of the plan merged. Sequences with the same number of groups are
   merged together (their groups gathered into [C_n, n, ...], so only real partials are read), then put back in
   order; a plan that is sequence after sequence with one count is merged in place."""
-  groups = [[g for g, (c, _, _) in enumerate(plan) if c == seq] for seq in range(num_seqs)]
+  groups = mla_prefix_mosaic.sequence_groups(plan, num_seqs)
   N = len(groups[0])
   if all(gs == list(range(seq * N, (seq + 1) * N)) for seq, gs in enumerate(groups)):
     return _merge_partials(o_GMR.reshape(num_seqs, N, *o_GMR.shape[1:]), lse_GM.reshape(num_seqs, N, -1))

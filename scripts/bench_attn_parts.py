@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mla_prefix_mosaic, tree_mla_attention as attn
-from scripts.bench_verify_attn import (SCALE, compile_all, make_input_sets, new_record, num_sets_for, roofline,
-                                       seconds_per_call)
+from scripts.bench_verify_attn import (SCALE, compile_all, make_input_sets, new_record, num_sets_for, plan_summary,
+                                       roofline, seconds_per_call)
 
 POINTS = {  # (C, S, T, H): split counts to race besides the wrapper's choice
     (8, 32768, 65, 8): (3, 4, 9),
@@ -32,11 +32,6 @@ POINTS = {  # (C, S, T, H): split counts to race besides the wrapper's choice
 def default_plan(C, S, T, H):
   """The wrapper's split plan (`tree_mla_attention.mosaic_plan`)."""
   return attn.mosaic_plan(C, T * H, S, T)
-
-
-def plan_summary(plan, C):
-  """{groups: G, groups_per_seq: [...]} of a split plan, for the JSON rows."""
-  return dict(groups=len(plan), groups_per_seq=[sum(group[0] == c for group in plan) for c in range(C)])
 
 
 def kernel_only(q_lat, q_rope, cache, prefix_len, tail, visibility, *, num_splits,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k26jax import ddtree
+from pallas_kernels.mla_prefix_mosaic import sequence_groups
 from pallas_kernels.tree_mla_attention import mosaic_plan, tree_mla_attention, tree_mla_attention_reference
 
 R, P = 512, 64
@@ -147,6 +148,11 @@ def roofline(C, S, T, H, visibility, ceilings):
   floor = max(cache_bytes / HBM_BYTES_PER_S, flops / MMA_FLOPS_PER_S)
   measured_floor = max(cache_bytes / ceilings[0], flops / ceilings[1])
   return cache_bytes, flops, floor, measured_floor
+
+
+def plan_summary(plan, C):
+  """{groups: G, groups_per_seq: [...]} of a split plan, for the JSON rows."""
+  return dict(groups=len(plan), groups_per_seq=[len(groups) for groups in sequence_groups(plan, C)])
 
 
 def relative_error(out, ref):
@@ -299,8 +305,7 @@ def main():
     row = time_row(point, arg_sets, ceilings, kernels[point], knobs_for(point), compiled.get(("naive", point)))
     row["regime"] = regime(point[2], point[3])
     if row["regime"] != "decode_tp8":  # the Mosaic kernel's split plan: groups of each sequence
-      plan = mosaic_plan(point[0], point[2] * point[3], point[1], point[2])
-      row["groups_per_seq"] = [sum(group[0] == c for group in plan) for c in range(point[0])]
+      row.update(plan_summary(mosaic_plan(point[0], point[2] * point[3], point[1], point[2]), point[0]))
     record["rows"].append(row)
     print(fmt(row), flush=True)
     del arg_sets

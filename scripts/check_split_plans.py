@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import mla_prefix_mosaic as mp, tree_mla_attention as attn
-from scripts.bench_attn_parts import default_plan, plan_summary
-from scripts.bench_verify_attn import SCALE, make_input_sets, reference_output, relative_error
+from scripts.bench_attn_parts import default_plan
+from scripts.bench_verify_attn import SCALE, make_input_sets, plan_summary, reference_output, relative_error
 
 QK_SCALE = 0.06
 
@@ -46,7 +46,8 @@ def tree_checks():
     args = make_input_sets(*point, 1, seed=3, prefix_len=prefix_len)[0]
     out = jax.jit(functools.partial(attn.tree_mla_attention, scale=SCALE))(*args)
     yield dict(point=point, **plan_summary(default_plan(*point), point[0]),
-               rel_err=relative_error(out, reference_output(args)), finite=bool(jnp.isfinite(out.astype(jnp.float32)).all()))
+               rel_err=relative_error(out, reference_output(args)),
+               finite=bool(jnp.isfinite(out.astype(jnp.float32)).all()))
 
 
 def layer_checks():

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mla_prefix_mosaic, tree_mla_attention as attn
-from scripts.bench_attn_parts import default_plan, kernel_only, plan_summary
-from scripts.bench_verify_attn import make_input_sets, new_record, num_sets_for, roofline, seconds_per_call
+from scripts.bench_attn_parts import default_plan, kernel_only
+from scripts.bench_verify_attn import (make_input_sets, new_record, num_sets_for, plan_summary, roofline,
+                                       seconds_per_call)
 
 
 def load_module(name, path):
