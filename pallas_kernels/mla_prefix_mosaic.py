@@ -34,6 +34,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -93,7 +94,7 @@ def group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_blocks):
   them: each value it derives itself stays live across the key loop (spills)."""
   seq, first, end = (jnp.asarray(column, jnp.int32) for column in zip(*plan))
   tail_groups = [groups[-1] for groups in sequence_groups(plan, prefix_len.shape[0]) if groups]
-  takes_tail = jnp.zeros(len(plan), jnp.bool_).at[jnp.asarray(tail_groups, jnp.int32)].set(True)
+  takes_tail = np.isin(np.arange(len(plan)), tail_groups)  # static, as the plan
   prefix_len = prefix_len.astype(jnp.int32)[seq]
   blocks = jnp.minimum(lax.div(prefix_len + BLOCK_K - 1, BLOCK_K), num_key_blocks)
   first, end = (lax.div(bound * blocks, max(num_key_blocks, 1)) for bound in (first, end))
