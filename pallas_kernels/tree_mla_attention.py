@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
 
-from pallas_kernels import arch, mla_prefix_mosaic
+from pallas_kernels import arch, lse_merge, mla_prefix_mosaic
 
 _LOG2E = math.log2(math.e)
 _NUM_SMS = 132  # H200; sizes the default prefix split
@@ -351,21 +351,14 @@ def mosaic_plan(C, M, S_max, T):
   return plan_splits(num_m_blocks, C, num_key_blocks, num_tail_blocks, _NUM_SMS)
 
 
-def merge_groups(o_GMR, lse_GM, plan, num_seqs):
-  """[C, M, R] float32: each sequence's groups of the plan merged. Sequences with the same number of groups are
-  merged together (their groups gathered into [C_n, n, ...], so only real partials are read), then put back in
-  order; a plan that is sequence after sequence with one count is merged in place."""
+def merge_groups(o_GMR, lse_GM, plan, num_seqs, *, out_dtype=jnp.float32, interpret=False):
+  """[C, M, R] in out_dtype: each sequence's groups of the plan merged by `lse_merge` in one kernel that reads
+  them where the plan put them (`interpret`: on the CPU); with one group a sequence, the groups themselves."""
   groups = mla_prefix_mosaic.sequence_groups(plan, num_seqs)
-  N = len(groups[0])
-  if all(gs == list(range(seq * N, (seq + 1) * N)) for seq, gs in enumerate(groups)):
-    return _merge_partials(o_GMR.reshape(num_seqs, N, *o_GMR.shape[1:]), lse_GM.reshape(num_seqs, N, -1))
-  merged, order = [], []
-  for count in sorted({len(gs) for gs in groups}):
-    seqs = [seq for seq, gs in enumerate(groups) if len(gs) == count]
-    index = np.asarray([groups[seq] for seq in seqs])
-    merged.append(_merge_partials(o_GMR[index], lse_GM[index]))
-    order += seqs
-  return jnp.concatenate(merged)[np.argsort(order)]
+  if all(len(gs) == 1 for gs in groups):
+    return o_GMR[np.asarray([gs[0] for gs in groups])].astype(out_dtype)
+  return lse_merge.merge_partials(o_GMR, lse_GM, lse_merge.group_index(groups), out_dtype=out_dtype,
+                                  interpret=interpret)
 
 
 PREFIX_KERNELS = ("auto", "triton", "mosaic")
@@ -445,7 +438,7 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
     o_GMR, lse_GM, plan = _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len.astype(jnp.int32),
                                             tail, visibility, num_splits=num_splits, qk_scale=qk_scale,
                                             interpret=interpret)
-    return merge_groups(o_GMR, lse_GM, plan, C).reshape(C, T, H, R).astype(q_lat.dtype)
+    return merge_groups(o_GMR, lse_GM, plan, C, out_dtype=q_lat.dtype, interpret=interpret).reshape(C, T, H, R)
   if num_splits is None:
     resident = _NUM_SMS * (1 if block_m >= 64 else 2)  # 64-row tiles fill an SM's shared memory
     num_splits = choose_num_splits(C * num_m_blocks, pl.cdiv(S_max, block_k), resident)
