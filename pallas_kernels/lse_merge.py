@@ -3,8 +3,9 @@ wrapper.
 
 Sequence c's output row is sum_n w_n o[g_n] / sum_n w_n with w_n = 2^(lse[g_n] - max_n lse[g_n]), over the
 partials g_n = groups[c, n] (base-2 log-sum-exp; -1 pads a sequence with fewer partials). Each program takes a
-block_m x block_r tile of one sequence's output and walks its partials in place: no gather of them is
-materialised, the weights are made on the fly and the result is written in the output dtype. XLA made three
+block_m x block_r tile of one sequence's output and loads that tile of all its partials at once, where they lie
+(no gather is materialised, padding rows of the partials are never read); the result is written in the output
+dtype. XLA made three
 kernels of the same merge (weights, a select, the weighted sum, 13 us for decode at C=8/32K/64 heads under ncu,
 bench/verify_attn.md run 28).
 """
@@ -38,59 +39,58 @@ def merge_reference(o_GMR, lse_GM, groups_CN, out_dtype=jnp.float32):
   return (o_CMR / jnp.where(w_sum_CM > 0, w_sum_CM, 1.0)[..., None]).astype(out_dtype)
 
 
-def _merge_kernel(groups_ref, lse_ref, o_ref, out_ref, *, num_rows, num_partials, block_m, block_r):
-  """Grid (c, m block, r block). groups [C, N]; lse [G, M]; o [G, M, R] -> out [C, M, R]."""
+def _merge_kernel(groups_ref, lse_ref, o_ref, out_ref, *, num_rows, rows_in, block_m, block_r):
+  """Grid (c, m block, r block). groups [C, block_n]; lse [G * rows_in] and o [G * rows_in * R] (flat views) ->
+  out [C, num_rows, R]. Loads every partial's [block_m, block_r] tile at once ([block_n, block_m, block_r],
+  block_n >= N, the rest masked): no loop, so the loads are all in flight together."""
+  R = out_ref.shape[2]
   c, m_blk, r_blk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  rows = pl.ds(m_blk * block_m, block_m)
-  row_ok = m_blk * block_m + jnp.arange(block_m) < num_rows
-  cols = pl.ds(r_blk * block_r, block_r)
-
-  def partial_lse(n):  # -> (partial index, its lse rows; -inf for padding)
-    g = groups_ref[c, n]
-    lse = plgpu.load(lse_ref.at[jnp.maximum(g, 0), rows], mask=row_ok, other=-jnp.inf)
-    return jnp.maximum(g, 0), jnp.where(g >= 0, lse, -jnp.inf)
-
-  m = lax.fori_loop(0, num_partials, lambda n, m: jnp.maximum(m, partial_lse(n)[1]),
-                    jnp.full((block_m,), -jnp.inf, jnp.float32))
-  m = jnp.where(m == -jnp.inf, 0.0, m)
-
-  def accumulate(n, carry):
-    acc, w_sum = carry
-    g, lse = partial_lse(n)
-    w = jnp.exp2(lse - m)
-    o = plgpu.load(o_ref.at[g, rows, cols], mask=row_ok[:, None], other=0.0)
-    return acc + w[:, None] * o, w_sum + w
-
-  acc, w_sum = lax.fori_loop(0, num_partials, accumulate,
-                             (jnp.zeros((block_m, block_r), jnp.float32), jnp.zeros((block_m,), jnp.float32)))
-  plgpu.store(out_ref.at[c, rows, cols], (acc / jnp.where(w_sum > 0, w_sum, 1.0)[:, None]).astype(out_ref.dtype),
-              mask=row_ok[:, None])
+  g = groups_ref[c, :]  # [block_n], padded with -1
+  rows = m_blk * block_m + jnp.arange(block_m)
+  cols = r_blk * block_r + jnp.arange(block_r)
+  seen = (g >= 0)[:, None] & (rows < num_rows)[None, :]  # [block_n, block_m]
+  flat_rows = jnp.maximum(g, 0)[:, None] * rows_in + rows[None, :]
+  lse = plgpu.load(lse_ref.at[flat_rows], mask=seen, other=-jnp.inf)
+  m = jnp.max(lse, axis=0)
+  w = jnp.exp2(lse - jnp.where(m == -jnp.inf, 0.0, m)[None, :])  # 0 where unseen
+  o = plgpu.load(o_ref.at[flat_rows[:, :, None] * R + cols[None, None, :]], mask=seen[:, :, None], other=0.0)
+  w_sum = jnp.sum(w, axis=0)
+  out = jnp.sum(w[:, :, None] * o, axis=0) / jnp.where(w_sum > 0, w_sum, 1.0)[:, None]
+  plgpu.store(out_ref.at[c, pl.ds(m_blk * block_m, block_m), pl.ds(r_blk * block_r, block_r)],
+              out.astype(out_ref.dtype), mask=(rows < num_rows)[:, None])
 
 
-def _tiles(C, M, R, target_programs):
-  """(block_m, block_r): the largest tile (rows first, 8 to 32; columns 64 to 128) that still gives
-  target_programs programs, else the smallest."""
-  for block_m, block_r in ((32, 128), (16, 128), (16, 64), (8, 64)):
-    if C * pl.cdiv(M, block_m) * pl.cdiv(R, block_r) >= target_programs:
-      break
-  return block_m, min(block_r, R)
+_TILE_ELEMS = 8192  # partial values a program loads (32 KB: 64 registers a thread at 4 warps)
 
 
-@functools.partial(jax.jit, static_argnames=["out_dtype", "interpret"])
-def merge_partials(o_GMR, lse_GM, groups_CN, *, out_dtype=jnp.float32, interpret: bool = False):
-  """The merge of `merge_reference` on the GPU (Pallas-Triton; `interpret` runs it on the CPU). groups_CN:
-  int32 [C, N] (`group_index`); R a power of two."""
+def _tiles(N, M, R):
+  """(block_n, block_m, block_r), powers of two: block_n >= N, then columns (16 to 128), then rows, so that
+  block_n * block_m * block_r stays near _TILE_ELEMS."""
+  block_n = pl.next_power_of_2(N)
+  block_r = min(R, 128, max(16, _TILE_ELEMS // block_n))
+  block_m = min(pl.next_power_of_2(M), max(1, _TILE_ELEMS // (block_n * block_r)))
+  return block_n, block_m, block_r
+
+
+@functools.partial(jax.jit, static_argnames=["num_rows", "out_dtype", "interpret"])
+def merge_partials(o_GMR, lse_GM, groups_CN, *, num_rows=None, out_dtype=jnp.float32, interpret: bool = False):
+  """The merge of `merge_reference` on the GPU (Pallas-Triton; `interpret` runs it on the CPU) of the first
+  num_rows (default M) rows of each partial; the rest (padding) is never read. groups_CN: int32 [C, N]
+  (`group_index`); R a power of two."""
   G, M, R = o_GMR.shape
   C, N = groups_CN.shape
+  num_rows = M if num_rows is None else num_rows
   if lse_GM.shape != (G, M) or o_GMR.dtype != jnp.float32 or lse_GM.dtype != jnp.float32:
     raise ValueError(f"o must be float32 [G, M, R] and lse float32 [G, M] = [{G}, {M}], "
                      f"got {o_GMR.dtype}{o_GMR.shape} and {lse_GM.dtype}{lse_GM.shape}")
-  if R < 16 or R & (R - 1) or N < 1:
-    raise ValueError(f"R ({R}) must be a power of two >= 16 and groups [C, N] have N >= 1, got {groups_CN.shape}")
-  block_m, block_r = _tiles(C, M, R, 2 * 132)  # two programs an H200 SM
+  if R < 16 or R & (R - 1) or N < 1 or not 0 < num_rows <= M:
+    raise ValueError(f"R ({R}) must be a power of two >= 16, groups [C, N] have N >= 1 (got {groups_CN.shape}) "
+                     f"and num_rows ({num_rows}) be in [1, M = {M}]")
+  block_n, block_m, block_r = _tiles(N, num_rows, R)
+  groups = jnp.pad(groups_CN.astype(jnp.int32), [(0, 0), (0, block_n - N)], constant_values=-1)
   return pl.pallas_call(
-      functools.partial(_merge_kernel, num_rows=M, num_partials=N, block_m=block_m, block_r=block_r),
-      grid=(C, pl.cdiv(M, block_m), R // block_r),
-      out_shape=jax.ShapeDtypeStruct((C, M, R), out_dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3), interpret=interpret, name="lse_merge",
-  )(groups_CN.astype(jnp.int32), lse_GM, o_GMR)
+      functools.partial(_merge_kernel, num_rows=num_rows, rows_in=M, block_m=block_m, block_r=block_r),
+      grid=(C, pl.cdiv(num_rows, block_m), R // block_r),
+      out_shape=jax.ShapeDtypeStruct((C, num_rows, R), out_dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=4), interpret=interpret, name="lse_merge",
+  )(groups, lse_GM.reshape(-1), o_GMR.reshape(-1))

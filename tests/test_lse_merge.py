@@ -40,6 +40,19 @@ def test_merge_matches_reference(M, R):
   np.testing.assert_allclose(np.asarray(bf16, np.float32), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("num_groups", [2, 130])
+def test_padding_rows_are_not_read(num_groups):
+  """Partials padded to 64 rows, NaN in the padding: the merge of the first 37 rows never reads it. 130 partials
+  for one sequence (decode's many splits of one long prefix) load as one [256, 1, 32] tile."""
+  rng = np.random.default_rng(num_groups)
+  o, lse = random_partials(rng, num_groups, 64, 64)
+  o, lse = o.at[:, 37:].set(jnp.nan), lse.at[:, 37:].set(jnp.nan)
+  groups = np.arange(num_groups, dtype=np.int32)[::-1].reshape(1, -1)
+  got = lse_merge.merge_partials(o, lse, jnp.asarray(groups), num_rows=37, interpret=True)
+  assert got.shape == (1, 37, 64)
+  np.testing.assert_allclose(got, lse_merge.merge_reference(o[:, :37], lse[:, :37], groups), rtol=1e-5, atol=1e-6)
+
+
 def test_merge_equals_attention_over_all_keys():
   """Softmax-weighted sums over disjoint key ranges, merged, equal the softmax over all keys (independent of
   merge_reference): 4 ranges of 1, 9, 0 and 30 keys, the empty one lse -inf."""
