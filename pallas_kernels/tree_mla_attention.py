@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
 
-from pallas_kernels import arch, lse_merge, mla_prefix_mosaic
+from pallas_kernels import arch, mla_prefix_mosaic
 
 _LOG2E = math.log2(math.e)
 _NUM_SMS = 132  # H200; sizes the default prefix split
@@ -351,15 +351,21 @@ def mosaic_plan(C, M, S_max, T):
   return plan_splits(num_m_blocks, C, num_key_blocks, num_tail_blocks, _NUM_SMS)
 
 
-def merge_groups(o_GMR, lse_GM, plan, num_seqs, *, num_rows=None, out_dtype=jnp.float32, interpret=False):
-  """[C, num_rows, R] in out_dtype: each sequence's groups of the plan merged by `lse_merge` in one kernel that
-  reads the first num_rows (default all) rows of each where the plan put it (`interpret`: on the CPU); with one
-  group a sequence, the groups themselves."""
+def merge_groups(o_GMR, lse_GM, plan, num_seqs):
+  """[C, M, R] float32: each sequence's groups of the plan merged. Sequences with the same number of groups are
+  merged together (their groups gathered into [C_n, n, ...], so only real partials are read), then put back in
+  order; a plan that is sequence after sequence with one count is merged in place."""
   groups = mla_prefix_mosaic.sequence_groups(plan, num_seqs)
-  if all(len(gs) == 1 for gs in groups):
-    return o_GMR[np.asarray([gs[0] for gs in groups]), :num_rows].astype(out_dtype)
-  return lse_merge.merge_partials(o_GMR, lse_GM, lse_merge.group_index(groups), num_rows=num_rows,
-                                  out_dtype=out_dtype, interpret=interpret)
+  N = len(groups[0])
+  if all(gs == list(range(seq * N, (seq + 1) * N)) for seq, gs in enumerate(groups)):
+    return _merge_partials(o_GMR.reshape(num_seqs, N, *o_GMR.shape[1:]), lse_GM.reshape(num_seqs, N, -1))
+  merged, order = [], []
+  for count in sorted({len(gs) for gs in groups}):
+    seqs = [seq for seq, gs in enumerate(groups) if len(gs) == count]
+    index = np.asarray([groups[seq] for seq in seqs])
+    merged.append(_merge_partials(o_GMR[index], lse_GM[index]))
+    order += seqs
+  return jnp.concatenate(merged)[np.argsort(order)]
 
 
 PREFIX_KERNELS = ("auto", "triton", "mosaic")
@@ -376,10 +382,10 @@ def mosaic_prefix_fits(q_lat, cache):
 
 def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, tail, visibility, *, num_splits, qk_scale,
                       interpret, prefix_attention=mla_prefix_mosaic.mla_prefix_attention):
-  """(o [G, Mp, R], lse [G, Mp], plan): the partials of the plan's groups from `mla_prefix_mosaic` (64-row tiles,
+  """(o [G, M, R], lse [G, M], plan): the partials of the plan's groups from `mla_prefix_mosaic` (64-row tiles,
   64-key blocks, one CTA an SM; a sequence's last group also attends to the tail), under `mosaic_plan` or
-  num_splits equal splits a sequence. The query rows are padded to Mp, whole tiles (TMA boxes may not exceed the
-  array); the merge reads the first M. prefix_attention: the kernel (another version of it in A/B races)."""
+  num_splits equal splits a sequence. The query rows are padded to whole tiles (TMA boxes may not exceed the
+  array) and the padding cut off again. prefix_attention: the kernel (another version of it in A/B races)."""
   C, M, _ = q_lat_CMR.shape
   T = tail.shape[1]
   plan = (mla_prefix_mosaic.equal_plan(num_splits, C, mosaic_tiles(M, cache.shape[1], T)[1]) if num_splits
@@ -390,7 +396,7 @@ def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, tail,
   tail_visible_CMT = jnp.pad(jnp.repeat(visibility, M // T, axis=1), pad[:2] + [(0, 0)])  # row t * H + h: token t
   o, lse = prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, plan=plan, qk_scale=qk_scale,
                             cache_seq=cache_seq, interpret=interpret)
-  return o, lse, plan
+  return o[:, :M], lse[:, :M], plan
 
 
 @functools.partial(jax.jit, static_argnames=["scale", "block_m", "block_k", "block_r", "num_splits", "num_warps",
@@ -439,8 +445,7 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
     o_GMR, lse_GM, plan = _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len.astype(jnp.int32),
                                             tail, visibility, num_splits=num_splits, qk_scale=qk_scale,
                                             interpret=interpret)
-    merged = merge_groups(o_GMR, lse_GM, plan, C, num_rows=M, out_dtype=q_lat.dtype, interpret=interpret)
-    return merged.reshape(C, T, H, R)
+    return merge_groups(o_GMR, lse_GM, plan, C).reshape(C, T, H, R).astype(q_lat.dtype)
   if num_splits is None:
     resident = _NUM_SMS * (1 if block_m >= 64 else 2)  # 64-row tiles fill an SM's shared memory
     num_splits = choose_num_splits(C * num_m_blocks, pl.cdiv(S_max, block_k), resident)

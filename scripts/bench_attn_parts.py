@@ -36,8 +36,8 @@ def default_plan(C, S, T, H):
 
 def kernel_only(q_lat, q_rope, cache, prefix_len, tail, visibility, *, num_splits,
                 prefix_attention=mla_prefix_mosaic.mla_prefix_attention):
-  """The Mosaic kernel's partials (o [G, Mp, R], lse [G, Mp]: prefix splits and tail; rows padded to whole tiles)
-  on tree_mla_attention's arguments, queries padded as it does."""
+  """The Mosaic kernel's partials (o [G, M, R], lse [G, M]: prefix splits and tail) on tree_mla_attention's
+  arguments, queries padded as it does."""
   C, T, H, R = q_lat.shape
   o, lse, _ = attn._mosaic_attention(q_lat.reshape(C, T * H, R), q_rope.reshape(C, T * H, -1), cache,
                                      jnp.arange(C, dtype=jnp.int32), prefix_len, tail, visibility,

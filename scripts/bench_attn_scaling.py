@@ -45,7 +45,7 @@ def time_point(point, ceilings):
       row[f"{name}_s"] = seconds_per_call(fn, arg_sets)
     if fraction == 1.0:
       partial_sets = [parts["kernel"](*args) for args in arg_sets[:2]]
-      merge = jax.jit(lambda o, lse: attn.merge_groups(o, lse, plan, C, num_rows=T * H))
+      merge = jax.jit(lambda o, lse: attn.merge_groups(o, lse, plan, C))
       row["merge_s"] = seconds_per_call(merge, partial_sets)
       if len({len(g) for g in mla_prefix_mosaic.sequence_groups(plan, C)}) == 1:
         major_sets = [sequence_major(*partials, plan, C) for partials in partial_sets]

@@ -53,7 +53,7 @@ def main():
     for name, module in variants.items():  # each with the wrapper's split plan
       print(f"=== {name} {point}", file=sys.stderr, flush=True)
       fn = jax.jit(functools.partial(kernel_only, num_splits=None, prefix_attention=module.mla_prefix_attention))
-      out = attn.merge_groups(*fn(*arg_sets[0]), plan, C, num_rows=T * H)
+      out = attn.merge_groups(*fn(*arg_sets[0]), plan, C)
       head_out = out if head_out is None else head_out
       row[f"{name}_rel_diff"] = float(jnp.linalg.norm(out - head_out) / jnp.linalg.norm(head_out))
       row[f"{name}_s"] = seconds_per_call(fn, arg_sets)
