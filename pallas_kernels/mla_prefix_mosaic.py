@@ -152,11 +152,9 @@ def _accumulate(acc, issue_dots, interpret):
   return pl.run_state(issue_dots)(plgpu.ACC.init(acc))
 
 
-def _kernel(group_ref, rows_ref, cache_ref, bits_ref, o_ref, lse_ref,
+def _kernel(group_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
             q_and_out, kv_smem, p_smem, row_smem, q_bar, bits_bar, kv_bars, consumed_bars, row_bar, p_bar, *,
-            num_q_rows, num_tail, qk_scale, interpret):
-  """rows_ref [C, num_q_rows + tail rows, 576]: sequence c's query rows, then its tail rows (one array: one XLA
-  op in front of the kernel, not two)."""
+            num_tail, qk_scale, interpret):
   m_blk, group, wg = (lax.axis_index(n) for n in ("m", "group", "wg"))
   q_smem, (o_stage, lse_smem) = q_and_out
   bits_smem = row_smem.at[pl.ds(2, row_smem.shape[0] - 2)]  # the tail's visibility words, as float32 bits
@@ -179,12 +177,12 @@ def _kernel(group_ref, rows_ref, cache_ref, bits_ref, o_ref, lse_ref,
 
         @pl.when(i >= steps)
         def _():
-          start = pl.multiple_of(num_q_rows + (i - steps) * BLOCK_K + half * HALF_K, HALF_K)
-          plgpu.copy_gmem_to_smem(rows_ref.at[c, pl.ds(start, HALF_K)], dst, bar)
+          start = pl.multiple_of((i - steps) * BLOCK_K + half * HALF_K, HALF_K)
+          plgpu.copy_gmem_to_smem(tail_ref.at[c, pl.ds(start, HALF_K)], dst, bar)
 
     @pl.when(total > 0)
     def _():
-      plgpu.copy_gmem_to_smem(rows_ref.at[c, rows], q_smem, q_bar)
+      plgpu.copy_gmem_to_smem(q_ref.at[c, rows], q_smem, q_bar)
 
     @pl.when(tail_steps > 0)
     def _():
@@ -328,7 +326,7 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
   plan = check_plan(plan, C, num_key_blocks)
   dtype = q_CMD.dtype
   num_tail_rows = pl.cdiv(T, BLOCK_K) * BLOCK_K  # whole key blocks, so every TMA box is in bounds
-  q_and_tail = jnp.concatenate([q_CMD, jnp.pad(tail, [(0, 0), (0, num_tail_rows - T), (0, 0)])], axis=1)
+  tail = jnp.pad(tail, [(0, 0), (0, num_tail_rows - T), (0, 0)])
   bits = lax.bitcast_convert_type(tail_visibility_bits(tail_visible_CMT, M), jnp.float32)  # TMA copies bytes
   scratch = [  # swizzled buffers first: a barrier placed between them costs a 1 KB alignment gap
       # q_smem (swizzled as kv_smem: one wgmma wants one swizzle); dead after the key loop, then the output stage
@@ -348,7 +346,7 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
       plgpu.Barrier(num_arrivals=2),  # p_bar
   ]
   kernel = plgpu.kernel(
-      functools.partial(_kernel, num_q_rows=M, num_tail=T, qk_scale=qk_scale, interpret=interpret),
+      functools.partial(_kernel, num_tail=T, qk_scale=qk_scale, interpret=interpret),
       out_type=(jax.ShapeDtypeStruct((len(plan), M, LAT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((len(plan), M), jnp.float32)),
       scratch_types=scratch,
@@ -362,5 +360,5 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
   )
   if cache_seq is None:
     cache_seq = jnp.arange(C, dtype=jnp.int32)
-  return kernel(group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_rows // BLOCK_K), q_and_tail,
-                cache, bits)
+  return kernel(group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_rows // BLOCK_K), q_CMD, cache,
+                tail, bits)
