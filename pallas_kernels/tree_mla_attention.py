@@ -354,7 +354,8 @@ def mosaic_plan(C, M, S_max, T):
 def merge_groups(o_GMR, lse_GM, plan, num_seqs):
   """[C, M, R] float32: each sequence's groups of the plan merged. Sequences with the same number of groups are
   merged together (their groups gathered into [C_n, n, ...], so only real partials are read), then put back in
-  order; a plan that is sequence after sequence with one count is merged in place."""
+  order; a plan that is sequence after sequence with one count is merged in place. (A Pallas-Triton merge that
+  read the partials in place measured no faster in whole calls: bench/verify_attn.md, runs 29-30.)"""
   groups = mla_prefix_mosaic.sequence_groups(plan, num_seqs)
   N = len(groups[0])
   if all(gs == list(range(seq * N, (seq + 1) * N)) for seq, gs in enumerate(groups)):
