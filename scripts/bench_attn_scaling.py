@@ -33,14 +33,15 @@ def sequence_major(o_GMR, lse_GM, plan, C):
 def time_point(point, ceilings):
   C, S, T, H = point
   plan = default_plan(*point)
+  parts = {"whole": jax.jit(functools.partial(attn.tree_mla_attention, scale=SCALE)),  # compiled once a point
+           "kernel": jax.jit(functools.partial(kernel_only, num_splits=None))}
   rows = []
   for fraction in FRACTIONS:
     arg_sets = make_input_sets(*point, num_sets_for(*point), prefix_len=[int(fraction * S)] * C)
     _, _, floor, _ = roofline(*point, arg_sets[0][5], ceilings)
-    parts = {"whole": jax.jit(functools.partial(attn.tree_mla_attention, scale=SCALE)),
-             "kernel": jax.jit(functools.partial(kernel_only, num_splits=None))}
+    # partial_bytes: what the merge reads, the real rows' o and lse (the kernel also writes the padding rows)
     row = dict(C=C, prefix=S, T=T, H=H, prefix_fraction=fraction, **plan_summary(plan, C), floor_s=floor,
-               partial_bytes=len(plan) * T * H * (attn.mla_prefix_mosaic.LAT_DIM + 1) * 4)
+               partial_bytes=len(plan) * T * H * (mla_prefix_mosaic.LAT_DIM + 1) * 4)
     for name, fn in parts.items():
       row[f"{name}_s"] = seconds_per_call(fn, arg_sets)
     if fraction == 1.0:
