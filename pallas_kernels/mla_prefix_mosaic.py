@@ -4,8 +4,9 @@ which also takes the tree tail.
 The prefix of each sequence is cut into groups of key blocks by a split plan (`check_plan`; the planner is
 `tree_mla_attention.plan_splits`). For each group and 64-row tile of its sequence's T*H query rows, attend over
 the group's cache rows (and, in the sequence's last group, over the tail rows each query row sees) and write the
-normalised partial output and its base-2 log-sum-exp; `tree_mla_attention` merges a sequence's groups (nothing
-to merge with one). Doing the tail here instead of in a second kernel saves its launch, its partial output and a
+normalised partial output and its base-2 log-sum-exp, at the group's slot (`partial_slots`: sequence after
+sequence, so a sequence's partials are contiguous); `tree_mla_attention` merges a sequence's groups (nothing to
+merge with one). Doing the tail here instead of in a second kernel saves its launch, its partial output and a
 merge operand: 10-36% of the whole call at small and mid sizes (bench/verify_attn.md, run 7).
 
 Why a second backend: with a 576-wide key and a 512-wide value a 64-row tile needs a 64 x 512 fp32
@@ -73,6 +74,14 @@ def sequence_groups(plan, num_seqs):
   return groups
 
 
+def partial_slots(plan, num_seqs):
+  """int32 [G]: the slot of each group's partial, sequence after sequence (each sequence's groups in plan order),
+  so the merge reads a sequence's partials as one contiguous run, whatever order the plan launches them in."""
+  slots = np.empty(len(plan), np.int32)
+  slots[[g for groups in sequence_groups(plan, num_seqs) for g in groups]] = np.arange(len(plan), dtype=np.int32)
+  return slots
+
+
 def equal_plan(num_splits, num_seqs, num_key_blocks):
   """The plan of num_splits (one count for every sequence, or a tuple with each sequence's) equal splits a
   sequence, sequence after sequence (the last ones empty where a sequence has fewer key blocks than splits)."""
@@ -87,11 +96,12 @@ def equal_plan(num_splits, num_seqs, num_key_blocks):
 
 
 def group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_blocks):
-  """int32 [G, 6], a row per group of the plan: (sequence c, its cache row cache_seq[c], first key block, cache
-  key blocks, tail key blocks, prefix keys from the first block on) for the actual prefix lengths [C]. A planned
-  block bound b of sequence c lands at floor(b * n_c / num_key_blocks), n_c = ceil(prefix_len[c] / BLOCK_K), so
-  the groups split a shorter prefix in the planned proportions. The kernel reads these instead of computing
-  them: each value it derives itself stays live across the key loop (spills)."""
+  """int32 [G, 7], a row per group of the plan: (sequence c, its cache row cache_seq[c], first key block, cache
+  key blocks, tail key blocks, prefix keys from the first block on, its partial's slot) for the actual prefix
+  lengths [C]. A planned block bound b of sequence c lands at floor(b * n_c / num_key_blocks),
+  n_c = ceil(prefix_len[c] / BLOCK_K), so the groups split a shorter prefix in the planned proportions. The
+  kernel reads these instead of computing them: each value it derives itself stays live across the key loop
+  (spills)."""
   seq, first, end = (jnp.asarray(column, jnp.int32) for column in zip(*plan))
   tail_groups = [groups[-1] for groups in sequence_groups(plan, prefix_len.shape[0]) if groups]
   takes_tail = np.isin(np.arange(len(plan)), tail_groups)  # static, as the plan
@@ -99,7 +109,8 @@ def group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_blocks):
   blocks = jnp.minimum(lax.div(prefix_len + BLOCK_K - 1, BLOCK_K), num_key_blocks)
   first, end = (lax.div(bound * blocks, max(num_key_blocks, 1)) for bound in (first, end))
   return jnp.stack([seq, cache_seq.astype(jnp.int32)[seq], first, end - first,
-                    jnp.where(takes_tail, num_tail_blocks, 0), prefix_len - first * BLOCK_K], axis=1)
+                    jnp.where(takes_tail, num_tail_blocks, 0), prefix_len - first * BLOCK_K,
+                    jnp.asarray(partial_slots(plan, prefix_len.shape[0]))], axis=1)
 
 
 def tail_visibility_bits(tail_visible_CMT, num_rows):
@@ -118,12 +129,13 @@ def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
   tail [C, T, 576]; tail_visible_CMT [C, M, T] bool: the tail rows each query row sees (in its sequence's last
   group only). qk_scale: softmax scale times log2(e). plan: see `check_plan` (key blocks of BLOCK_K rows).
   Returns o [G, M, 512] (normalised, 0 where a group saw nothing) and lse [G, M] (base 2, -inf where it saw
-  nothing), one per group of the plan."""
+  nothing), one per group of the plan, at the group's `partial_slots` slot."""
   f32, hi = jnp.float32, lax.Precision.HIGHEST
   C, M, _ = q_CMD.shape
   S_max, T = cache.shape[1], tail.shape[1]
   plan = check_plan(plan, C, pl.cdiv(S_max, BLOCK_K))
-  seq, _, first, steps, tail_steps, _ = group_table(plan, prefix_len, jnp.arange(C), pl.cdiv(S_max, BLOCK_K), 1).T
+  seq, _, first, steps, tail_steps, _, _ = group_table(plan, prefix_len, jnp.arange(C), pl.cdiv(S_max, BLOCK_K),
+                                                       1).T
   keys = jnp.concatenate([cache, tail], axis=1).astype(f32)[seq]
   s_GMK = jnp.einsum("gmd,gkd->gmk", q_CMD.astype(f32)[seq], keys, precision=hi) * qk_scale
   key_block = jnp.arange(S_max) // BLOCK_K
@@ -138,7 +150,9 @@ def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
   l_GM = p_GMK.sum(-1)
   o = jnp.einsum("gmk,gkr->gmr", p_GMK, keys[..., :LAT_DIM], precision=hi)
   o = o / jnp.where(l_GM > 0, l_GM, 1.0)[..., None]
-  return o, jnp.where(l_GM > 0, m_safe + jnp.log2(jnp.where(l_GM > 0, l_GM, 1.0)), -jnp.inf)
+  lse = jnp.where(l_GM > 0, m_safe + jnp.log2(jnp.where(l_GM > 0, l_GM, 1.0)), -jnp.inf)
+  group_at_slot = np.argsort(partial_slots(plan, C))
+  return o[group_at_slot], lse[group_at_slot]
 
 
 def _accumulate(acc, issue_dots, interpret):
@@ -272,17 +286,19 @@ def _kernel(group_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    partial_slot = group_ref[group, 6]  # read here, not live across the key loop
     for j in range(HALF_R // EPI_N):
-      slot = j % 2
+      stage = j % 2
       if j >= 2:
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-      o_stage[w, slot] = out[:, j * EPI_N:(j + 1) * EPI_N]
+      o_stage[w, stage] = out[:, j * EPI_N:(j + 1) * EPI_N]
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_stage.at[w, slot], o_ref.at[group, rows, pl.ds(w * HALF_R + j * EPI_N, EPI_N)])
+      columns = pl.ds(w * HALF_R + j * EPI_N, EPI_N)
+      plgpu.copy_smem_to_gmem(o_stage.at[w, stage], o_ref.at[partial_slot, rows, columns])
     if w == 0:
       lse_smem[...] = jnp.where(seen, m + jnp.log2(l_safe), -jnp.inf)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[group, rows])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[partial_slot, rows])
     plgpu.wait_smem_to_gmem(0)
 
   for w in range(2):

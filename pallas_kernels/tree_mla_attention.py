@@ -352,18 +352,20 @@ def mosaic_plan(C, M, S_max, T):
 
 
 def merge_groups(o_GMR, lse_GM, plan, num_seqs):
-  """[C, M, R] float32: each sequence's groups of the plan merged. Sequences with the same number of groups are
-  merged together (their groups gathered into [C_n, n, ...], so only real partials are read), then put back in
-  order; a plan that is sequence after sequence with one count is merged in place. (A Pallas-Triton merge that
-  read the partials in place measured no faster in whole calls: bench/verify_attn.md, runs 29-30.)"""
-  groups = mla_prefix_mosaic.sequence_groups(plan, num_seqs)
-  N = len(groups[0])
-  if all(gs == list(range(seq * N, (seq + 1) * N)) for seq, gs in enumerate(groups)):
-    return _merge_partials(o_GMR.reshape(num_seqs, N, *o_GMR.shape[1:]), lse_GM.reshape(num_seqs, N, -1))
+  """[C, M, R] float32: each sequence's partials merged, read where the kernel writes them (`partial_slots`:
+  sequence after sequence). With one group count for every sequence that is a reshape; otherwise sequences with
+  the same count are merged together (their runs gathered into [C_n, n, ...]) and put back in order. (Partials
+  at their plan position needed a gather even then: 5-10 us more a decode call at C = 2-4; a Pallas-Triton
+  merge measured no faster in whole calls: bench/verify_attn.md, runs 29-30 and 35-36.)"""
+  counts = [len(groups) for groups in mla_prefix_mosaic.sequence_groups(plan, num_seqs)]
+  if len(set(counts)) == 1:
+    return _merge_partials(o_GMR.reshape(num_seqs, counts[0], *o_GMR.shape[1:]),
+                           lse_GM.reshape(num_seqs, counts[0], -1))
+  starts = np.cumsum([0] + counts[:-1])
   merged, order = [], []
-  for count in sorted({len(gs) for gs in groups}):
-    seqs = [seq for seq, gs in enumerate(groups) if len(gs) == count]
-    index = np.asarray([groups[seq] for seq in seqs])
+  for count in sorted(set(counts)):
+    seqs = [seq for seq in range(num_seqs) if counts[seq] == count]
+    index = starts[seqs][:, None] + np.arange(count)
     merged.append(_merge_partials(o_GMR[index], lse_GM[index]))
     order += seqs
   return jnp.concatenate(merged)[np.argsort(order)]

@@ -1,7 +1,6 @@
 """Where tree_mla_attention's fixed cost sits (GPU): the whole call and the Mosaic kernel alone (with the XLA glue
 in front of it) at prefix lengths that are fractions of S_max under the same split plan, so the difference of two
-fractions is the key stream and fraction 0 the cost of everything else; the log-sum-exp merge alone, as the
-wrapper runs it and, for comparison, on partials already laid out sequence after sequence (a reshape, no gather).
+fractions is the key stream and fraction 0 the cost of everything else; the log-sum-exp merge alone.
 With --ncu-point it instead runs that point's whole call three times for `ncu` to time each kernel.
 
   PYTHONPATH=. python3 scripts/bench_attn_scaling.py --out $OUT/scaling.json --commit SHA [--points C,S,T,H ...]
@@ -13,8 +12,6 @@ import functools
 import json
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import mla_prefix_mosaic, tree_mla_attention as attn
 from scripts.bench_attn_parts import default_plan, kernel_only
@@ -22,12 +19,6 @@ from scripts.bench_verify_attn import SCALE, make_input_sets, new_record, num_se
     seconds_per_call
 
 FRACTIONS = (1.0, 0.5, 0.0)
-
-
-def sequence_major(o_GMR, lse_GM, plan, C):
-  """The partials gathered sequence after sequence, [C, N, M, R] and [C, N, M] (every sequence with N groups)."""
-  index = np.asarray(mla_prefix_mosaic.sequence_groups(plan, C))
-  return o_GMR[index], lse_GM[index]
 
 
 def time_point(point, ceilings):
@@ -48,9 +39,6 @@ def time_point(point, ceilings):
       partial_sets = [parts["kernel"](*args) for args in arg_sets[:2]]
       merge = jax.jit(lambda o, lse: attn.merge_groups(o, lse, plan, C))
       row["merge_s"] = seconds_per_call(merge, partial_sets)
-      if len({len(g) for g in mla_prefix_mosaic.sequence_groups(plan, C)}) == 1:
-        major_sets = [sequence_major(*partials, plan, C) for partials in partial_sets]
-        row["merge_in_place_s"] = seconds_per_call(jax.jit(attn._merge_partials), major_sets)
     print(json.dumps(row), flush=True)
     rows.append(row)
   return rows

@@ -3,12 +3,14 @@
 attention at the two shapes whose default plans are uneven (the first with ragged prefixes), and on one layer of
 a cache stack.
 
-  PYTHONPATH=. python3 scripts/check_split_plans.py --out $OUT/checks.json
+  PYTHONPATH=. python3 scripts/check_split_plans.py --out $OUT/checks.json --commit SHA
 """
 import argparse
+import datetime
 import functools
 import itertools
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -66,12 +68,14 @@ def layer_checks():
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
-  out_path = parser.parse_args().out
-  rows = []
+  parser.add_argument("--commit", default="unknown")
+  args = parser.parse_args()
+  record = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.UTC).isoformat(),
+                commit=args.commit, command=" ".join(["PYTHONPATH=. python3", *sys.argv]), rows=[])
   for row in itertools.chain(partial_checks(), tree_checks(), layer_checks()):
-    rows.append(row)
+    record["rows"].append(row)
     print(row, flush=True)
-  json.dump(rows, open(out_path, "w"), indent=1)
+  json.dump(record, open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

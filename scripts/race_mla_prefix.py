@@ -2,8 +2,8 @@
 `pallas_kernels/mla_prefix_mosaic.py` ("head") against module files given as NAME=PATH (e.g. an older or a
 branch's copy: `git show seesaw:pallas_kernels/mla_prefix_mosaic.py > ab/seesaw.py`). Each row has every
 variant's time, % of the floor and merged output's rel diff from head; every variant runs the wrapper's split
-plan, so each must take `plan=` (the plan API of commit 2026-12-04 on). MOSAIC_GPU_DUMP_PTXAS=1 prints each
-compile's registers and spills.
+plan, so each must take `plan=` and write each group's partial at its `partial_slots` slot (the kernel API
+since the partial slots, 2026-12-04). MOSAIC_GPU_DUMP_PTXAS=1 prints each compile's registers and spills.
 
   PYTHONPATH=. python3 scripts/race_mla_prefix.py --variant seesaw=ab/seesaw.py --out $OUT/race.json --commit SHA
 """

@@ -37,7 +37,8 @@ def test_partials_match_reference(splits, T):
   """Ragged prefixes (empty, one key, a partial block, a whole cache that is no multiple of 64), two row tiles,
   a tail of 9 rows (one block) or 70 (two, the second mostly padding); equal splits for every sequence, a count
   each, or an uneven plan whose sequences interleave (the tail in each sequence's last group). Rows of the empty
-  prefix that see no tail row must come out 0 with lse -inf, as must every row of a group without keys."""
+  prefix that see no tail row must come out 0 with lse -inf, as must every row of a group without keys. Partials
+  come at their group's slot, sequence after sequence."""
   rng = np.random.default_rng(T)
   prefix_len = jnp.asarray([0, 1, 127, 264], jnp.int32)
   q, cache, tail = bf16_normal(rng, 4, 128, D), bf16_normal(rng, 4, 264, D), bf16_normal(rng, 4, T, D)
@@ -48,7 +49,8 @@ def test_partials_match_reference(splits, T):
   o_ref, lse_ref = mp.mla_prefix_reference(q, cache, prefix_len, tail, visible, plan=plan, qk_scale=QK_SCALE)
   assert o.shape == (len(plan), 128, mp.LAT_DIM) and lse.shape == (len(plan), 128)
   np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_ref))  # the same groups are empty
-  seq0 = [g for g, group in enumerate(plan) if group[0] == 0]
+  slots = mp.partial_slots(plan, 4)
+  seq0 = [slots[g] for g, group in enumerate(plan) if group[0] == 0]
   assert np.isneginf(np.asarray(lse)[seq0[:-1]]).all()  # no prefix: only the tail group sees keys
   assert np.isneginf(lse[seq0[-1], [3, 100]]).all() and not np.asarray(o[seq0[-1], [3, 100]]).any()
   assert not np.asarray(o)[np.isneginf(np.asarray(lse))].any()
@@ -56,19 +58,21 @@ def test_partials_match_reference(splits, T):
   np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite], atol=2e-3)
   assert rel_err(o, o_ref) < 1e-2  # P is rounded to bf16 for the value MMA
   if plan == INTERLEAVED:  # the first groups of sequences 1 (one key) and 2 (two blocks) get no block
-    assert np.isneginf(lse[0]).all() and np.isneginf(lse[3]).all()
-    assert np.isfinite(lse[2]).all() and np.isfinite(lse[5]).all()
+    np.testing.assert_array_equal(slots, [1, 0, 2, 3, 5, 4, 6])
+    assert np.isneginf(lse[slots[0]]).all() and np.isneginf(lse[slots[3]]).all()
+    assert np.isfinite(lse[slots[2]]).all() and np.isfinite(lse[slots[5]]).all()
 
 
 def test_group_table_scales_the_plan_to_the_prefix():
   """Planned bounds b land at floor(b * n / K) for a prefix of n key blocks: a full cache keeps the plan, a
   shorter prefix is cut in its proportions, an empty one gives empty groups; only a sequence's last group
-  has the tail's blocks, and a prefix past S_max counts as S_max for the blocks."""
+  has the tail's blocks, and a prefix past S_max counts as S_max for the blocks; partials go sequence after
+  sequence."""
   plan, cache_seq = ((0, 0, 3), (1, 0, 8), (0, 3, 8)), jnp.asarray([6, 7], jnp.int32)
   table = mp.group_table(plan, jnp.asarray([512, 0], jnp.int32), cache_seq, 8, 2)
-  np.testing.assert_array_equal(table, [[0, 6, 0, 3, 0, 512], [1, 7, 0, 0, 2, 0], [0, 6, 3, 5, 2, 320]])
+  np.testing.assert_array_equal(table, [[0, 6, 0, 3, 0, 512, 0], [1, 7, 0, 0, 2, 0, 2], [0, 6, 3, 5, 2, 320, 1]])
   table = mp.group_table(plan, jnp.asarray([257, 9999], jnp.int32), cache_seq, 8, 1)  # 5 blocks; 157, clamped to 8
-  np.testing.assert_array_equal(table, [[0, 6, 0, 1, 0, 257], [1, 7, 0, 8, 1, 9999], [0, 6, 1, 4, 1, 193]])
+  np.testing.assert_array_equal(table, [[0, 6, 0, 1, 0, 257, 0], [1, 7, 0, 8, 1, 9999, 2], [0, 6, 1, 4, 1, 193, 1]])
 
 
 def test_large_logits_stay_finite():

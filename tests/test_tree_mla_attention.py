@@ -247,12 +247,17 @@ def test_plan_splits(m_blocks, C, key_blocks, tail_blocks, most_makespan, unifor
         assert all(end - first >= 16 for g, (c, first, end) in enumerate(plan) if g != last[c])
 
 
+UNEQUAL_COUNTS = ((2, 0, 10), (0, 0, 47), (3, 0, 30), (2, 10, 11), (1, 0, 20), (3, 30, 47), (2, 11, 47), (1, 20, 47))
+EQUAL_COUNTS = ((3, 0, 30), (1, 0, 20), (0, 0, 10), (2, 0, 5), (2, 5, 47), (0, 10, 47), (1, 20, 47), (3, 30, 47))
+
+
+@pytest.mark.parametrize("plan", [UNEQUAL_COUNTS, EQUAL_COUNTS])
 @pytest.mark.parametrize("T,H,prefix_lens", [(2, 32, [0, 64, 100, 2000]), (1, 64, [3000, 1, 2048, 2047])])
-def test_merge_of_an_interleaved_plan(T, H, prefix_lens):
-    """merge_groups gathers each sequence's groups, wherever the plan puts them, into the exact merge; checked
-    on the float32 reference partials against the whole reference (ragged and empty prefixes, odd splits)."""
+def test_merge_of_an_interleaved_plan(T, H, prefix_lens, plan):
+    """merge_groups reads each sequence's partials at their slots, wherever the plan launches its groups, into the
+    exact merge (group counts 1, 2, 3 and 2, or 2 each); checked on the float32 reference partials against the
+    whole reference (ragged and empty prefixes, odd splits)."""
     q_lat, q_rope, cache, prefix_len, tail, vis = make_inputs(9, T, H, R=512, P=64, prefix_lens=prefix_lens, S=3008)
-    plan = ((2, 0, 10), (0, 0, 47), (3, 0, 30), (2, 10, 11), (1, 0, 20), (3, 30, 47), (2, 11, 47), (1, 20, 47))
     M = T * H
     q = jnp.concatenate([q_lat.reshape(4, M, 512), q_rope.reshape(4, M, 64)], -1)
     tail_visible = jnp.repeat(vis, H, axis=1)
