@@ -71,31 +71,20 @@ def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
     return int4_moe_gemm.fused_moe(*args, interpret=impls.interpret, layer=layer)
 
 
-def mla_step(prefix_len, visibility, *, num_heads: int, S_max: int, impls: Impls):
-    """What every layer's `mla_attention` of one step shares (the kernel's tables), made once before the layer
-    scan, or None for the reference. num_heads: all query heads (those of one device are computed here)."""
-    if impls.attention == "reference":
-        return None
-    if impls.sharded:
-        num_heads //= impls.mesh.shape["model"]
-    return mla_kernel.tree_mla_step(prefix_len, visibility, num_heads=num_heads, S_max=S_max)
-
-
-def mla_attention(q_lat, q_rope, cache, prefix_len, tail_rows, visibility, *, scale: float, layer, impls: Impls,
-                  step=None):
+def mla_attention(q_lat, q_rope, cache, prefix_len, tail_rows, visibility, *, scale: float, layer, impls: Impls):
     """Absorbed MLA of layer `layer` over its latent-cache prefix plus a tree tail.
 
     cache is the whole stack [L, C, S_max, R + P]: the kernels read the layer inside it, because a slice in
     front of a custom call would copy the layer's cache (C * S_max * 1152 bytes) every layer of every step.
-    step: `mla_step` of the same prefix_len and visibility. See pallas_kernels/tree_mla_attention.py.
+    See pallas_kernels/tree_mla_attention.py.
     """
     args = (q_lat, q_rope, cache, prefix_len, tail_rows, visibility)
     if impls.attention == "reference":
         return mla_kernel.tree_mla_attention_reference(*args, scale=scale, layer=layer)
     if impls.sharded:
         return mla_kernel.tree_mla_attention_sharded(impls.mesh, impl="pallas", interpret=impls.interpret)(
-            *args, scale=scale, layer=layer, step=step)
-    return mla_kernel.tree_mla_attention(*args, scale=scale, layer=layer, step=step, interpret=impls.interpret)
+            *args, scale=scale, layer=layer)
+    return mla_kernel.tree_mla_attention(*args, scale=scale, layer=layer, interpret=impls.interpret)
 
 
 def tree_build(logq, ids, budgets, *, max_budget: int, impls: Impls, **knobs):

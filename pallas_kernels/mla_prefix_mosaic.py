@@ -32,7 +32,6 @@ scheduler) measured 3-9% faster at the 8-head verify shapes but 1-5% slower at 6
 Neither branch survived into this repository's history.
 """
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -96,19 +95,21 @@ def equal_plan(num_splits, num_seqs, num_key_blocks):
   return tuple(plan)
 
 
-def group_table(plan, prefix_len, num_key_blocks, num_tail_blocks):
-  """int32 [G, 6], a row per group of the plan: (sequence c, first key block, cache key blocks, tail key blocks,
-  prefix keys from the first block on, its partial's slot) for the actual prefix lengths [C]. A planned block
-  bound b of sequence c lands at floor(b * n_c / num_key_blocks), n_c = ceil(prefix_len[c] / BLOCK_K), so the
-  groups split a shorter prefix in the planned proportions. The kernel reads these instead of computing them:
-  each value it derives itself stays live across the key loop (spills)."""
+def group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_blocks):
+  """int32 [G, 7], a row per group of the plan: (sequence c, its cache row cache_seq[c], first key block, cache
+  key blocks, tail key blocks, prefix keys from the first block on, its partial's slot) for the actual prefix
+  lengths [C]. A planned block bound b of sequence c lands at floor(b * n_c / num_key_blocks),
+  n_c = ceil(prefix_len[c] / BLOCK_K), so the groups split a shorter prefix in the planned proportions. The
+  kernel reads these instead of computing them: each value it derives itself stays live across the key loop
+  (spills)."""
   seq, first, end = (jnp.asarray(column, jnp.int32) for column in zip(*plan))
   tail_groups = [groups[-1] for groups in sequence_groups(plan, prefix_len.shape[0]) if groups]
   takes_tail = np.isin(np.arange(len(plan)), tail_groups)  # static, as the plan
   prefix_len = prefix_len.astype(jnp.int32)[seq]
   blocks = jnp.minimum(lax.div(prefix_len + BLOCK_K - 1, BLOCK_K), num_key_blocks)
   first, end = (lax.div(bound * blocks, max(num_key_blocks, 1)) for bound in (first, end))
-  return jnp.stack([seq, first, end - first, jnp.where(takes_tail, num_tail_blocks, 0), prefix_len - first * BLOCK_K,
+  return jnp.stack([seq, cache_seq.astype(jnp.int32)[seq], first, end - first,
+                    jnp.where(takes_tail, num_tail_blocks, 0), prefix_len - first * BLOCK_K,
                     jnp.asarray(partial_slots(plan, prefix_len.shape[0]))], axis=1)
 
 
@@ -123,22 +124,6 @@ def tail_visibility_bits(tail_visible_CMT, num_rows):
   return lax.bitcast_convert_type(words, jnp.int32).transpose(0, 2, 1)
 
 
-class StepTables(NamedTuple):
-  """What the kernel reads besides queries and keys, derived from the prefix lengths and the tail visibility
-  alone (`step_tables`), so the layers of one step can share it: group_table int32 [G, 6] (`group_table`) and
-  tail_bits float32 [C, ceil(T / 32), M] (`tail_visibility_bits` as float32 bits: TMA copies bytes)."""
-  group_table: jax.Array
-  tail_bits: jax.Array
-
-
-def step_tables(plan, prefix_len, tail_visible_CMT, S_max):
-  """`StepTables` for the plan, prefix_len [C], tail_visible_CMT bool [C, M, T] (M a multiple of BLOCK_M) and a
-  cache of S_max rows."""
-  _, M, T = tail_visible_CMT.shape
-  return StepTables(group_table(plan, prefix_len, pl.cdiv(S_max, BLOCK_K), pl.cdiv(T, BLOCK_K)),
-                    lax.bitcast_convert_type(tail_visibility_bits(tail_visible_CMT, M), jnp.float32))
-
-
 def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, plan, qk_scale):
   """float32 partials. q_CMD [C, M, 576] (q_lat | q_rope); cache [C, S_max, 576]; prefix_len [C];
   tail [C, T, 576]; tail_visible_CMT [C, M, T] bool: the tail rows each query row sees (in its sequence's last
@@ -149,7 +134,8 @@ def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
   C, M, _ = q_CMD.shape
   S_max, T = cache.shape[1], tail.shape[1]
   plan = check_plan(plan, C, pl.cdiv(S_max, BLOCK_K))
-  seq, first, steps, tail_steps, _, _ = group_table(plan, prefix_len, pl.cdiv(S_max, BLOCK_K), 1).T
+  seq, _, first, steps, tail_steps, _, _ = group_table(plan, prefix_len, jnp.arange(C), pl.cdiv(S_max, BLOCK_K),
+                                                       1).T
   keys = jnp.concatenate([cache, tail], axis=1).astype(f32)[seq]
   s_GMK = jnp.einsum("gmd,gkd->gmk", q_CMD.astype(f32)[seq], keys, precision=hi) * qk_scale
   key_block = jnp.arange(S_max) // BLOCK_K
@@ -180,20 +166,19 @@ def _accumulate(acc, issue_dots, interpret):
   return pl.run_state(issue_dots)(plgpu.ACC.init(acc))
 
 
-def _kernel(group_ref, layer_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
+def _kernel(group_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
             q_and_out, kv_smem, p_smem, row_smem, q_bar, bits_bar, kv_bars, consumed_bars, row_bar, p_bar, *,
-            num_seqs, num_tail, qk_scale, interpret):
+            num_tail, qk_scale, interpret):
   m_blk, group, wg = (lax.axis_index(n) for n in ("m", "group", "wg"))
   q_smem, (o_stage, lse_smem) = q_and_out
   bits_smem = row_smem.at[pl.ds(2, row_smem.shape[0] - 2)]  # the tail's visibility words, as float32 bits
   rows = pl.ds(pl.multiple_of(m_blk * BLOCK_M, BLOCK_M), BLOCK_M)  # TMA tiling needs the alignment proven
-  c, first, steps, tail_steps, prefix_keys = (group_ref[group, j] for j in range(5))  # see `group_table`
+  c, seq, first, steps, tail_steps, prefix_keys = (group_ref[group, j] for j in range(6))  # see `group_table`
   total = steps + tail_steps  # key blocks [0, steps) come from the cache, then the tail's
 
   @pl.when(wg == 2)
   def _memory_warpgroup():
     plgpu.set_max_registers(40, action="decrease")
-    cache_row = layer_ref[0] * num_seqs + c
 
     def load_block(i, slot):  # each half of the block has its own buffer and barrier (no sliced MMA operands)
       for half in range(2):
@@ -202,7 +187,7 @@ def _kernel(group_ref, layer_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, l
         @pl.when(i < steps)
         def _():
           start = pl.multiple_of((first + i) * BLOCK_K + half * HALF_K, HALF_K)
-          plgpu.copy_gmem_to_smem(cache_ref.at[cache_row, pl.ds(start, HALF_K)], dst, bar)
+          plgpu.copy_gmem_to_smem(cache_ref.at[seq, pl.ds(start, HALF_K)], dst, bar)
 
         @pl.when(i >= steps)
         def _():
@@ -301,7 +286,7 @@ def _kernel(group_ref, layer_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, l
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    partial_slot = group_ref[group, 5]  # read here, not live across the key loop
+    partial_slot = group_ref[group, 6]  # read here, not live across the key loop
     for j in range(HALF_R // EPI_N):
       stage = j % 2
       if j >= 2:
@@ -329,59 +314,36 @@ def tiled_smem(shape, dtype, row_bytes):
 
 @functools.partial(jax.jit, static_argnames=["plan", "qk_scale", "interpret"])
 def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, plan: tuple[tuple[int, int, int], ...],
-                         qk_scale: float, layer=None, interpret: bool = False):
+                         qk_scale: float, cache_seq=None, interpret: bool = False):
   """Split partials on the GPU; arguments and results as in `mla_prefix_reference` (bf16 q, cache and tail,
-  R = 512, P = 64), and `layer` as in `mla_prefix_attention_tables`, which this calls with `step_tables`."""
-  C, M, _ = q_CMD.shape
-  T = tail.shape[1]
-  if tail_visible_CMT.shape != (C, M, T) or tail_visible_CMT.dtype != jnp.bool_:
-    raise ValueError(f"tail_visible must be bool [C, M, T] = [{C}, {M}, {T}], "
-                     f"got {tail_visible_CMT.dtype}{tail_visible_CMT.shape}")
-  if prefix_len.shape != (C,):
-    raise ValueError(f"prefix_len must be [C] = [{C}], got {prefix_len.shape}")
-  _check_kernel_args(q_CMD, cache, tail)
-  tables = step_tables(check_plan(plan, C, pl.cdiv(cache.shape[1], BLOCK_K)), prefix_len, tail_visible_CMT,
-                       cache.shape[1])
-  return mla_prefix_attention_tables(q_CMD, cache, tail, tables, plan=plan, qk_scale=qk_scale, layer=layer,
-                                     interpret=interpret)
-
-
-def _check_kernel_args(q_CMD, cache, tail):
+  R = 512, P = 64). cache_seq [C] int32: the cache row holding sequence c (default c; `tree_mla_attention`
+  passes layer * C + c into a layer stack viewed as [L*C, S_max, 576]). `interpret` runs Mosaic GPU's
+  interpreter (CPU tests)."""
   C, M, D = q_CMD.shape
   T = tail.shape[1]
   if tail.shape != (C, T, D) or tail.dtype != jnp.bfloat16:
     raise ValueError(f"tail must be bf16 [C, T, {D}] = [{C}, T, {D}], got {tail.dtype}{tail.shape}")
-  if D != LAT_DIM + ROPE_DIM or cache.ndim != 3 or cache.shape[-1] != D or cache.shape[0] % C:
-    raise ValueError(f"q [C, M, {LAT_DIM + ROPE_DIM}] and cache [n * C, S_max, {LAT_DIM + ROPE_DIM}] expected, "
+  if tail_visible_CMT.shape != (C, M, T) or tail_visible_CMT.dtype != jnp.bool_:
+    raise ValueError(f"tail_visible must be bool [C, M, T] = [{C}, {M}, {T}], "
+                     f"got {tail_visible_CMT.dtype}{tail_visible_CMT.shape}")
+  if cache_seq is not None and cache_seq.shape != (C,):
+    raise ValueError(f"cache_seq must be [C] = [{C}], got {cache_seq.shape}")
+  if D != LAT_DIM + ROPE_DIM or cache.shape[-1] != D or (cache_seq is None and cache.shape[0] != C):
+    raise ValueError(f"q [C, M, {LAT_DIM + ROPE_DIM}] and cache [C, S_max, {LAT_DIM + ROPE_DIM}] expected, "
                      f"got {q_CMD.shape} and {cache.shape}")
   if q_CMD.dtype != jnp.bfloat16 or cache.dtype != jnp.bfloat16:
     raise ValueError(f"the Mosaic prefix kernel takes bf16, got q {q_CMD.dtype} and cache {cache.dtype}")
   if M % BLOCK_M or cache.shape[1] % 8:
     raise ValueError(f"q rows ({M}) must be a multiple of {BLOCK_M} and cache rows ({cache.shape[1]}) of 8 "
                      "(TMA tiles; tree_mla_attention pads the queries)")
-  if pl.cdiv(cache.shape[1], BLOCK_K) ** 2 >= 2 ** 31:  # group_table multiplies two block counts in int32
+  num_key_blocks = pl.cdiv(cache.shape[1], BLOCK_K)
+  if num_key_blocks ** 2 >= 2 ** 31:  # group_table multiplies two block counts in int32
     raise ValueError(f"cache rows ({cache.shape[1]}) must be at most {BLOCK_K * 46340} (int32 group bounds)")
-
-
-@functools.partial(jax.jit, static_argnames=["plan", "qk_scale", "interpret"])
-def mla_prefix_attention_tables(q_CMD, cache, tail, tables: StepTables, *, plan: tuple[tuple[int, int, int], ...],
-                                qk_scale: float, layer=None, interpret: bool = False):
-  """The kernel on `step_tables(plan, ...)` made once for calls that share prefix lengths and tail visibility
-  (a step's layers). cache [n * C, S_max, 576]: sequence c reads row layer * C + c (layer: int scalar, default
-  0; `tree_mla_attention` passes a layer stack viewed as [L*C, S_max, 576]). `interpret` runs Mosaic GPU's
-  interpreter (CPU tests). Returns the partials as `mla_prefix_reference` does."""
-  _check_kernel_args(q_CMD, cache, tail)
-  C, M, D = q_CMD.shape
-  T = tail.shape[1]
-  plan = check_plan(plan, C, pl.cdiv(cache.shape[1], BLOCK_K))
-  want = ((len(plan), 6), jnp.int32), ((C, pl.cdiv(T, 32), M), jnp.float32)
-  if tuple((t.shape, t.dtype) for t in tables) != want:
-    raise ValueError(f"tables must be step_tables of this plan and shape: group_table and tail_bits "
-                     f"{want}, got {tuple((t.shape, t.dtype) for t in tables)}")
-  layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+  plan = check_plan(plan, C, num_key_blocks)
   dtype = q_CMD.dtype
   num_tail_rows = pl.cdiv(T, BLOCK_K) * BLOCK_K  # whole key blocks, so every TMA box is in bounds
   tail = jnp.pad(tail, [(0, 0), (0, num_tail_rows - T), (0, 0)])
+  bits = lax.bitcast_convert_type(tail_visibility_bits(tail_visible_CMT, M), jnp.float32)  # TMA copies bytes
   scratch = [  # swizzled buffers first: a barrier placed between them costs a 1 KB alignment gap
       # q_smem (swizzled as kv_smem: one wgmma wants one swizzle); dead after the key loop, then the output stage
       plgpu.RefUnion(tiled_smem((BLOCK_M, D), dtype, 64),
@@ -400,7 +362,7 @@ def mla_prefix_attention_tables(q_CMD, cache, tail, tables: StepTables, *, plan:
       plgpu.Barrier(num_arrivals=2),  # p_bar
   ]
   kernel = plgpu.kernel(
-      functools.partial(_kernel, num_seqs=C, num_tail=T, qk_scale=qk_scale, interpret=interpret),
+      functools.partial(_kernel, num_tail=T, qk_scale=qk_scale, interpret=interpret),
       out_type=(jax.ShapeDtypeStruct((len(plan), M, LAT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((len(plan), M), jnp.float32)),
       scratch_types=scratch,
@@ -412,4 +374,7 @@ def mla_prefix_attention_tables(q_CMD, cache, tail, tables: StepTables, *, plan:
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return kernel(tables.group_table, layer, q_CMD, cache, tail, tables.tail_bits)
+  if cache_seq is None:
+    cache_seq = jnp.arange(C, dtype=jnp.int32)
+  return kernel(group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_rows // BLOCK_K), q_CMD, cache,
+                tail, bits)

@@ -383,50 +383,22 @@ def mosaic_prefix_fits(q_lat, cache):
           and (R, cache.shape[2] - R) == (mla_prefix_mosaic.LAT_DIM, mla_prefix_mosaic.ROPE_DIM))
 
 
-def _tail_visible_rows(visibility, num_heads):
-  """bool [C, M_pad, T]: the tail rows query row t * H + h (token t) sees, rows padded to whole 64-row tiles."""
-  C, T, _ = visibility.shape
-  M = T * num_heads
-  pad = pl.cdiv(M, mla_prefix_mosaic.BLOCK_M) * mla_prefix_mosaic.BLOCK_M - M
-  return jnp.pad(jnp.repeat(visibility, num_heads, axis=1), [(0, 0), (0, pad), (0, 0)])
-
-
-def tree_mla_step(prefix_len, visibility, *, num_heads: int, S_max: int):
-  """The Mosaic kernel's `mla_prefix_mosaic.StepTables` for every call with these prefix_len [C] and visibility
-  [C, T, T], num_heads query heads and S_max cache rows under the default plan: made once a decode or verify
-  step and passed to each layer's `tree_mla_attention(step=)` (FlashMLA's get_mla_metadata has this part), since
-  inside a layer scan XLA recomputes them every layer (two XLA kernels, about 6 us at decode: bench/verify_attn.md,
-  runs 32 and 38)."""
-  C, T, _ = visibility.shape
-  plan = mosaic_plan(C, T * num_heads, S_max, T)
-  return mla_prefix_mosaic.step_tables(plan, prefix_len.astype(jnp.int32), _tail_visible_rows(visibility, num_heads),
-                                       S_max)
-
-
-def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, layer, prefix_len, tail, visibility, *, num_splits, qk_scale,
-                      interpret, step=None, kernel_module=mla_prefix_mosaic):
+def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, tail, visibility, *, num_splits, qk_scale,
+                      interpret, prefix_attention=mla_prefix_mosaic.mla_prefix_attention):
   """(o [G, M, R], lse [G, M], plan): the partials of the plan's groups from `mla_prefix_mosaic` (64-row tiles,
   64-key blocks, one CTA an SM; a sequence's last group also attends to the tail), under `mosaic_plan` or
-  num_splits equal splits a sequence, with `step` (`tree_mla_step`'s tables) or tables made here. cache
-  [L*C, S_max, 576], sequence c in row layer * C + c. The query rows are padded to whole tiles (TMA boxes may
-  not exceed the array) and the padding cut off again. kernel_module: `mla_prefix_mosaic` (another version of
-  it in A/B races)."""
+  num_splits equal splits a sequence. The query rows are padded to whole tiles (TMA boxes may not exceed the
+  array) and the padding cut off again. prefix_attention: the kernel (another version of it in A/B races)."""
   C, M, _ = q_lat_CMR.shape
   T = tail.shape[1]
-  S_max = cache.shape[1]
-  if num_splits:
-    if step is not None:
-      raise ValueError("step= holds the default plan's tables; it cannot go with num_splits=")
-    plan = kernel_module.equal_plan(num_splits, C, mosaic_tiles(M, S_max, T)[1])
-  else:
-    plan = mosaic_plan(C, M, S_max, T)
-  if step is None:
-    step = kernel_module.step_tables(plan, prefix_len, _tail_visible_rows(visibility, M // T), S_max)
+  plan = (mla_prefix_mosaic.equal_plan(num_splits, C, mosaic_tiles(M, cache.shape[1], T)[1]) if num_splits
+          else mosaic_plan(C, M, cache.shape[1], T))
   block_m = mla_prefix_mosaic.BLOCK_M
   pad = [(0, 0), (0, pl.cdiv(M, block_m) * block_m - M), (0, 0)]
   q_CMD = jnp.pad(jnp.concatenate([q_lat_CMR, q_rope_CMP], axis=-1), pad)
-  o, lse = kernel_module.mla_prefix_attention_tables(q_CMD, cache, tail, step, plan=plan, qk_scale=qk_scale,
-                                                     layer=layer, interpret=interpret)
+  tail_visible_CMT = jnp.pad(jnp.repeat(visibility, M // T, axis=1), pad[:2] + [(0, 0)])  # row t * H + h: token t
+  o, lse = prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, plan=plan, qk_scale=qk_scale,
+                            cache_seq=cache_seq, interpret=interpret)
   return o[:, :M], lse[:, :M], plan
 
 
@@ -435,11 +407,9 @@ def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, layer, prefix_len, tail, vis
 def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, block_m: int = 64,
                        block_k: int = 64, block_r: int | None = None, num_splits: int | None = None,
                        num_warps: int | None = None, num_stages: int = 2, prefix_kernel: str = "auto",
-                       layer=None, step=None, interpret: bool = False):
+                       layer=None, interpret: bool = False):
   """Pallas-Triton tree MLA attention; arguments and result as in `tree_mla_attention_reference`.
-  With `layer`, the kernels read that layer inside the whole cache stack (no per-layer copy). `step`:
-  `tree_mla_step(prefix_len, visibility, ...)` of these very arrays, made once for a step's layers; the Mosaic
-  kernel then reads it instead of deriving its tables again (the Triton kernels ignore it).
+  With `layer`, the kernels read that layer inside the whole cache stack (no per-layer copy).
 
   Knobs: block_m query rows (tree token x head) per tile, clamped to T*H (at least 16); block_k
   prefix keys per step; block_r width of the latent chunks (default 256 for 64-row tiles, else R);
@@ -475,9 +445,9 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
     if not mosaic_prefix_fits(q_lat, cache):
       raise ValueError(f"prefix_kernel='mosaic' needs bf16 q and cache, (R, P) = (512, 64) and S_max % 8 == 0; "
                        f"got q_lat {q_lat.dtype}{q_lat.shape}, cache {cache.dtype}{cache.shape}")
-    o_GMR, lse_GM, plan = _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, layer, prefix_len.astype(jnp.int32),
+    o_GMR, lse_GM, plan = _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len.astype(jnp.int32),
                                             tail, visibility, num_splits=num_splits, qk_scale=qk_scale,
-                                            interpret=interpret, step=step)
+                                            interpret=interpret)
     return merge_groups(o_GMR, lse_GM, plan, C).reshape(C, T, H, R).astype(q_lat.dtype)
   if num_splits is None:
     resident = _NUM_SMS * (1 if block_m >= 64 else 2)  # 64-row tiles fill an SM's shared memory
@@ -502,9 +472,9 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
 
 def tree_mla_attention_sharded(mesh, *, axis: str = "model", impl: str = "pallas", interpret: bool = False,
                                **block_knobs):
-  """Returns f(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale, layer=None, step=None) with heads
-  sharded over mesh axis `axis` (shard_map); the latent cache (or its layer stack), tail, lengths, visibility,
-  layer and step (`tree_mla_step` for the heads of one device) are replicated."""
+  """Returns f(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale, layer=None) with heads sharded
+  over mesh axis `axis` (shard_map); the latent cache (or its layer stack), tail, lengths, visibility and
+  layer are replicated."""
   if impl == "pallas":
     attention = functools.partial(tree_mla_attention, interpret=interpret, **block_knobs)
   elif impl == "reference":
@@ -518,19 +488,16 @@ def tree_mla_attention_sharded(mesh, *, axis: str = "model", impl: str = "pallas
   heads = PartitionSpec(None, None, axis, None)
   replicated = PartitionSpec()
 
-  def sharded_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, layer=None, step=None):
+  def sharded_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, layer=None):
     if q_lat.ndim != 4 or q_lat.shape[2] % mesh.shape[axis]:
       raise ValueError(f"q_lat heads (shape {q_lat.shape}) must divide over {mesh.shape[axis]} devices of {axis!r}")
-    extras = {} if layer is None else {"layer": jnp.asarray(layer, jnp.int32)}
-    if step is not None:
-      if impl != "pallas":
-        raise ValueError("step= applies only to impl='pallas'")
-      extras["step"] = step
-
-    def local(q_lat, q_rope, cache, prefix_len, tail, visibility, extras):
-      return attention(q_lat, q_rope, cache, prefix_len, tail, visibility, scale=scale, **extras)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads) + (replicated,) * 5, out_specs=heads,
-                         check_vma=False)(q_lat, q_rope, cache, prefix_len, tail, visibility, extras)
+    args = (q_lat, q_rope, cache, prefix_len, tail, visibility)
+    if layer is None:
+      local = functools.partial(attention, scale=scale)
+    else:
+      args += (jnp.asarray(layer, jnp.int32),)
+      local = lambda *a: attention(*a[:-1], scale=scale, layer=a[-1])
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads) + (replicated,) * (len(args) - 2),
+                         out_specs=heads, check_vma=False)(*args)
 
   return sharded_attention

@@ -11,6 +11,7 @@ import functools
 import json
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import mla_prefix_mosaic, tree_mla_attention as attn
 from scripts.bench_verify_attn import (SCALE, compile_all, make_input_sets, new_record, num_sets_for, plan_summary,
@@ -33,13 +34,15 @@ def default_plan(C, S, T, H):
   return attn.mosaic_plan(C, T * H, S, T)
 
 
-def kernel_only(q_lat, q_rope, cache, prefix_len, tail, visibility, *, num_splits, kernel_module=mla_prefix_mosaic):
+def kernel_only(q_lat, q_rope, cache, prefix_len, tail, visibility, *, num_splits,
+                prefix_attention=mla_prefix_mosaic.mla_prefix_attention):
   """The Mosaic kernel's partials (o [G, M, R], lse [G, M]: prefix splits and tail) on tree_mla_attention's
-  arguments, queries padded and tables made as it does."""
+  arguments, queries padded as it does."""
   C, T, H, R = q_lat.shape
-  o, lse, _ = attn._mosaic_attention(q_lat.reshape(C, T * H, R), q_rope.reshape(C, T * H, -1), cache, None,
-                                     prefix_len, tail, visibility, num_splits=num_splits,
-                                     qk_scale=SCALE * attn._LOG2E, interpret=False, kernel_module=kernel_module)
+  o, lse, _ = attn._mosaic_attention(q_lat.reshape(C, T * H, R), q_rope.reshape(C, T * H, -1), cache,
+                                     jnp.arange(C, dtype=jnp.int32), prefix_len, tail, visibility,
+                                     num_splits=num_splits, qk_scale=SCALE * attn._LOG2E, interpret=False,
+                                     prefix_attention=prefix_attention)
   return o, lse
 
 

@@ -2,9 +2,8 @@
 `pallas_kernels/mla_prefix_mosaic.py` ("head") against module files given as NAME=PATH (e.g. an older or a
 branch's copy: `git show seesaw:pallas_kernels/mla_prefix_mosaic.py > ab/seesaw.py`). Each row has every
 variant's time, % of the floor and merged output's rel diff from head; every variant runs the wrapper's split
-plan, so each must have `equal_plan`, `step_tables` and `mla_prefix_attention_tables` and write each group's
-partial at its `partial_slots` slot (the module API since the step tables, 2026-12-04). MOSAIC_GPU_DUMP_PTXAS=1
-prints each compile's registers and spills.
+plan, so each must take `plan=` and write each group's partial at its `partial_slots` slot (the kernel API
+since the partial slots, 2026-12-04). MOSAIC_GPU_DUMP_PTXAS=1 prints each compile's registers and spills.
 
   PYTHONPATH=. python3 scripts/race_mla_prefix.py --variant seesaw=ab/seesaw.py --out $OUT/race.json --commit SHA
 """
@@ -53,7 +52,7 @@ def main():
     row, head_out = dict(C=C, prefix=S, T=T, H=H, **plan_summary(plan, C), floor_s=floor), None
     for name, module in variants.items():  # each with the wrapper's split plan
       print(f"=== {name} {point}", file=sys.stderr, flush=True)
-      fn = jax.jit(functools.partial(kernel_only, num_splits=None, kernel_module=module))
+      fn = jax.jit(functools.partial(kernel_only, num_splits=None, prefix_attention=module.mla_prefix_attention))
       out = attn.merge_groups(*fn(*arg_sets[0]), plan, C)
       head_out = out if head_out is None else head_out
       row[f"{name}_rel_diff"] = float(jnp.linalg.norm(out - head_out) / jnp.linalg.norm(head_out))

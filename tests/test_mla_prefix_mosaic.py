@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import mla_prefix_mosaic as mp
-from pallas_kernels.tree_mla_attention import tree_mla_attention, tree_mla_attention_reference, tree_mla_step
+from pallas_kernels.tree_mla_attention import tree_mla_attention, tree_mla_attention_reference
 from tests.test_tree_mla_attention import make_inputs, rel_err
 
 D = mp.LAT_DIM + mp.ROPE_DIM
@@ -68,11 +68,11 @@ def test_group_table_scales_the_plan_to_the_prefix():
   shorter prefix is cut in its proportions, an empty one gives empty groups; only a sequence's last group
   has the tail's blocks, and a prefix past S_max counts as S_max for the blocks; partials go sequence after
   sequence."""
-  plan = ((0, 0, 3), (1, 0, 8), (0, 3, 8))
-  table = mp.group_table(plan, jnp.asarray([512, 0], jnp.int32), 8, 2)
-  np.testing.assert_array_equal(table, [[0, 0, 3, 0, 512, 0], [1, 0, 0, 2, 0, 2], [0, 3, 5, 2, 320, 1]])
-  table = mp.group_table(plan, jnp.asarray([257, 9999], jnp.int32), 8, 1)  # 5 blocks; 157, clamped to 8
-  np.testing.assert_array_equal(table, [[0, 0, 1, 0, 257, 0], [1, 0, 8, 1, 9999, 2], [0, 1, 4, 1, 193, 1]])
+  plan, cache_seq = ((0, 0, 3), (1, 0, 8), (0, 3, 8)), jnp.asarray([6, 7], jnp.int32)
+  table = mp.group_table(plan, jnp.asarray([512, 0], jnp.int32), cache_seq, 8, 2)
+  np.testing.assert_array_equal(table, [[0, 6, 0, 3, 0, 512, 0], [1, 7, 0, 0, 2, 0, 2], [0, 6, 3, 5, 2, 320, 1]])
+  table = mp.group_table(plan, jnp.asarray([257, 9999], jnp.int32), cache_seq, 8, 1)  # 5 blocks; 157, clamped to 8
+  np.testing.assert_array_equal(table, [[0, 6, 0, 1, 0, 257, 0], [1, 7, 0, 8, 1, 9999, 2], [0, 6, 1, 4, 1, 193, 1]])
 
 
 def test_large_logits_stay_finite():
@@ -107,23 +107,6 @@ def test_layer_of_a_cache_stack():
   f32 = lambda a: a.astype(jnp.float32)
   want = tree_mla_attention_reference(f32(q_lat), f32(q_rope), f32(stack[2]), prefix_len, f32(tail), vis, scale=0.05)
   assert rel_err(out, want) < 1e-2
-
-
-def test_step_tables_made_once_give_the_same_output():
-  """A step's tables (`tree_mla_step`) passed to every layer give exactly what each layer's own tables give;
-  tables of another shape, or with a split count the tables were not planned for, raise."""
-  q_lat, q_rope, _, prefix_len, tail, vis = make_inputs(6, 9, 8, R=mp.LAT_DIM, P=mp.ROPE_DIM, prefix_lens=[0, 200],
-                                                        S=264, dtype=jnp.bfloat16)
-  stack = bf16_normal(np.random.default_rng(6), 3, 2, 264, D)
-  run = functools.partial(tree_mla_attention, q_lat, q_rope, stack, prefix_len, tail, vis, scale=0.05,
-                          prefix_kernel="mosaic", interpret=True)
-  step = tree_mla_step(prefix_len, vis, num_heads=8, S_max=264)
-  for layer in (0, 2):
-    np.testing.assert_array_equal(run(layer=jnp.int32(layer), step=step), run(layer=jnp.int32(layer)))
-  with pytest.raises(ValueError, match="tables must be"):
-    run(layer=jnp.int32(1), step=tree_mla_step(prefix_len, vis, num_heads=4, S_max=264))
-  with pytest.raises(ValueError, match="num_splits"):
-    run(layer=jnp.int32(1), step=step, num_splits=2)
 
 
 def test_bad_arguments_raise():

@@ -216,14 +216,12 @@ def forward_tail(params, cfg: ModelConfig, ids_BT, positions_BT, cache, prefix_l
     [layers,B,T,R+Dr], hidden states [n_ids,B,T,D]).
     """
     rope = L.rope_inv_freq(cfg)
-    step = ops.mla_step(prefix_len_B, visibility_BTT, num_heads=cfg.num_attention_heads, S_max=cache.shape[2],
-                        impls=impls)  # once, not once a layer
 
     def attend(attn, x, layer):
         q_lat, q_pe = L.mla_absorbed_queries(attn, x, positions_BT, cfg, rope)
         rows = L.mla_latent_rows(attn, x, positions_BT, cfg, rope)
         o_lat = ops.mla_attention(q_lat, q_pe, cache, prefix_len_B, rows, visibility_BTT,
-                                  scale=cfg.softmax_scale, layer=layer, impls=impls, step=step)
+                                  scale=cfg.softmax_scale, layer=layer, impls=impls)
         return L.mla_absorbed_output(attn, o_lat), rows
 
     h, rows, feats = run_layers(params, cfg, embed_tokens(params, ids_BT), attend, impls, hidden_layer_ids)
