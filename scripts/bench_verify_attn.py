@@ -126,13 +126,17 @@ def measure_ceilings(copy_elems=1 << 30, matmul_n=8192):
   return copy_bps, 20 * 2 * matmul_n ** 3 / (time.perf_counter() - t0)
 
 
+def record_header(commit, **fields):
+  """A result JSON's header: device, date, commit, the exact command, then fields."""
+  return dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.UTC).isoformat(),
+              commit=commit, command=" ".join(["PYTHONPATH=. python3", *sys.argv]), **fields)
+
+
 def new_record(commit, **fields):
-  """A benchmark JSON's header (device, date, commit, the exact command) with the copy and matmul ceilings
-  measured now; returns (record, (copy bytes/s, matmul FLOP/s))."""
+  """A benchmark JSON's header (`record_header`) with the copy and matmul ceilings measured now; returns
+  (record, (copy bytes/s, matmul FLOP/s))."""
   ceilings = measure_ceilings()
-  record = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.UTC).isoformat(),
-                commit=commit, command=" ".join(["PYTHONPATH=. python3", *sys.argv]),
-                copy_tb_per_s=ceilings[0] / 1e12, matmul_tflops=ceilings[1] / 1e12, **fields)
+  record = record_header(commit, copy_tb_per_s=ceilings[0] / 1e12, matmul_tflops=ceilings[1] / 1e12, **fields)
   return record, ceilings
 
 

@@ -6,11 +6,9 @@ a cache stack.
   PYTHONPATH=. python3 scripts/check_split_plans.py --out $OUT/checks.json --commit SHA
 """
 import argparse
-import datetime
 import functools
 import itertools
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +16,8 @@ import numpy as np
 
 from pallas_kernels import mla_prefix_mosaic as mp, tree_mla_attention as attn
 from scripts.bench_attn_parts import default_plan
-from scripts.bench_verify_attn import SCALE, make_input_sets, plan_summary, reference_output, relative_error
+from scripts.bench_verify_attn import (SCALE, make_input_sets, plan_summary, record_header, reference_output,
+                                       relative_error)
 
 QK_SCALE = 0.06
 
@@ -70,8 +69,7 @@ def main():
   parser.add_argument("--out", required=True)
   parser.add_argument("--commit", default="unknown")
   args = parser.parse_args()
-  record = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.UTC).isoformat(),
-                commit=args.commit, command=" ".join(["PYTHONPATH=. python3", *sys.argv]), rows=[])
+  record = record_header(args.commit, rows=[])
   for row in itertools.chain(partial_checks(), tree_checks(), layer_checks()):
     record["rows"].append(row)
     print(row, flush=True)
