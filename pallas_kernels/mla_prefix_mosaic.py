@@ -22,7 +22,7 @@ probabilities through shared memory (FlashMLA's scheme), so no MMA is repeated:
     O_w = O_w * exp2(m_old - m) + P V[:, 256w:256w+256]   [64, 256]  (K = 64)
   warpgroup 2 streams Q once and the [64, 576] key blocks through a 2-stage TMA ring.
 Each warpgroup keeps the running sum of its own keys' probabilities; the two are added at the end.
-Tail blocks come from the tail rows (padded to whole blocks); which of them a query row sees comes as one
+Tail blocks come from the tail rows (TMA reads zeros past the last); which of them a query row sees comes as one
 32-bit word per row and half block (`tail_visibility_bits`), tested bit by bit against the key column.
 
 FlashMLA's "seesaw" schedule (each warpgroup scores whole blocks in turn) measured 2.0-2.4x slower here: it
@@ -113,6 +113,16 @@ def group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_blocks):
                     jnp.asarray(partial_slots(plan, prefix_len.shape[0]))], axis=1)
 
 
+def pad_rows_for_tma(x):
+  """x [C, rows, ...] with rows padded up to a multiple of 8 if it is more than 8 and no multiple: a TMA copy
+  of a tiled buffer needs the global rows to be at most one 8-row tile or whole tiles (boxes past the last row
+  read zeros and drop the stores)."""
+  rows = x.shape[1]
+  if rows <= 8 or rows % 8 == 0:
+    return x
+  return jnp.pad(x, [(0, 0), (0, pl.cdiv(rows, 8) * 8 - rows)] + [(0, 0)] * (x.ndim - 2))
+
+
 def tail_visibility_bits(tail_visible_CMT, num_rows):
   """bool [C, M, T] -> int32 [C, ceil(T / 32), num_rows]: bit j of word [c, b, r] is whether query row r sees
   tail row 32 b + j (query rows zero-padded to num_rows)."""
@@ -124,13 +134,14 @@ def tail_visibility_bits(tail_visible_CMT, num_rows):
   return lax.bitcast_convert_type(words, jnp.int32).transpose(0, 2, 1)
 
 
-def mla_prefix_reference(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, plan, qk_scale):
-  """float32 partials. q_CMD [C, M, 576] (q_lat | q_rope); cache [C, S_max, 576]; prefix_len [C];
+def mla_prefix_reference(q_lat_CMR, q_rope_CMP, cache, prefix_len, tail, tail_visible_CMT, *, plan, qk_scale):
+  """float32 partials. q_lat_CMR [C, M, 512], q_rope_CMP [C, M, 64]; cache [C, S_max, 576]; prefix_len [C];
   tail [C, T, 576]; tail_visible_CMT [C, M, T] bool: the tail rows each query row sees (in its sequence's last
   group only). qk_scale: softmax scale times log2(e). plan: see `check_plan` (key blocks of BLOCK_K rows).
   Returns o [G, M, 512] (normalised, 0 where a group saw nothing) and lse [G, M] (base 2, -inf where it saw
   nothing), one per group of the plan, at the group's `partial_slots` slot."""
   f32, hi = jnp.float32, lax.Precision.HIGHEST
+  q_CMD = jnp.concatenate([q_lat_CMR, q_rope_CMP], axis=-1)
   C, M, _ = q_CMD.shape
   S_max, T = cache.shape[1], tail.shape[1]
   plan = check_plan(plan, C, pl.cdiv(S_max, BLOCK_K))
@@ -166,13 +177,14 @@ def _accumulate(acc, issue_dots, interpret):
   return pl.run_state(issue_dots)(plgpu.ACC.init(acc))
 
 
-def _kernel(group_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
+def _kernel(group_ref, q_lat_ref, q_rope_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
             q_and_out, kv_smem, p_smem, row_smem, q_bar, bits_bar, kv_bars, consumed_bars, row_bar, p_bar, *,
             num_tail, qk_scale, interpret):
   m_blk, group, wg = (lax.axis_index(n) for n in ("m", "group", "wg"))
-  q_smem, (o_stage, lse_smem) = q_and_out
+  (q_lat_smem, q_rope_smem), (o_stage, lse_smem) = q_and_out
   bits_smem = row_smem.at[pl.ds(2, row_smem.shape[0] - 2)]  # the tail's visibility words, as float32 bits
-  rows = pl.ds(pl.multiple_of(m_blk * BLOCK_M, BLOCK_M), BLOCK_M)  # TMA tiling needs the alignment proven
+  # TMA tiling needs the alignment proven; rows past M (the last tile) load as zeros and are not stored
+  rows = pl.ds(pl.multiple_of(m_blk * BLOCK_M, BLOCK_M), BLOCK_M)
   c, seq, first, steps, tail_steps, prefix_keys = (group_ref[group, j] for j in range(6))  # see `group_table`
   total = steps + tail_steps  # key blocks [0, steps) come from the cache, then the tail's
 
@@ -190,13 +202,14 @@ def _kernel(group_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
           plgpu.copy_gmem_to_smem(cache_ref.at[seq, pl.ds(start, HALF_K)], dst, bar)
 
         @pl.when(i >= steps)
-        def _():
+        def _():  # rows past the tail's T load as zeros (and are masked)
           start = pl.multiple_of((i - steps) * BLOCK_K + half * HALF_K, HALF_K)
           plgpu.copy_gmem_to_smem(tail_ref.at[c, pl.ds(start, HALF_K)], dst, bar)
 
     @pl.when(total > 0)
     def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[c, rows], q_smem, q_bar)
+      plgpu.copy_gmem_to_smem(q_lat_ref.at[c, rows], q_lat_smem, q_bar)
+      plgpu.copy_gmem_to_smem(q_rope_ref.at[c, rows], q_rope_smem, q_bar)
 
     @pl.when(tail_steps > 0)
     def _():
@@ -241,7 +254,9 @@ def _kernel(group_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
       plgpu.barrier_wait(kv_bars.at[slot * 2 + w])
 
       def scores(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot, w].T)
+        keys = kv_smem.at[slot, w]
+        plgpu.wgmma(acc_ref, q_lat_smem, keys.at[:, pl.ds(0, LAT_DIM)].T)
+        plgpu.wgmma(acc_ref, q_rope_smem, keys.at[:, pl.ds(LAT_DIM, ROPE_DIM)].T)
         return acc_ref[...]
 
       s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, HALF_K), jnp.float32))
@@ -281,7 +296,7 @@ def _kernel(group_ref, q_ref, cache_ref, tail_ref, bits_ref, o_ref, lse_ref,
              plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), _ROW))
     carry = lax.fori_loop(0, steps, functools.partial(step, tail=False), carry)
     acc, m, l_own = lax.fori_loop(steps, total, functools.partial(step, tail=True), carry)
-    l0, l1 = exchange(l_own)  # also orders every read of q_smem before o_stage (its alias) is written
+    l0, l1 = exchange(l_own)  # also orders every read of the queries before o_stage (their alias) is written
     l = l0 + l1
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
@@ -313,13 +328,17 @@ def tiled_smem(shape, dtype, row_bytes):
 
 
 @functools.partial(jax.jit, static_argnames=["plan", "qk_scale", "interpret"])
-def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, plan: tuple[tuple[int, int, int], ...],
-                         qk_scale: float, cache_seq=None, interpret: bool = False):
+def mla_prefix_attention(q_lat_CMR, q_rope_CMP, cache, prefix_len, tail, tail_visible_CMT, *,
+                         plan: tuple[tuple[int, int, int], ...], qk_scale: float, cache_seq=None,
+                         interpret: bool = False):
   """Split partials on the GPU; arguments and results as in `mla_prefix_reference` (bf16 q, cache and tail,
   R = 512, P = 64). cache_seq [C] int32: the cache row holding sequence c (default c; `tree_mla_attention`
   passes layer * C + c into a layer stack viewed as [L*C, S_max, 576]). `interpret` runs Mosaic GPU's
-  interpreter (CPU tests)."""
-  C, M, D = q_CMD.shape
+  interpreter (CPU tests). The queries and the tail go to the kernel unpadded where their row counts are
+  multiples of 8 (or at most 8; `pad_rows_for_tma`): its TMA boxes past their last row read zeros, so no XLA op
+  concatenates or pads them in front of it."""
+  C, M, R = q_lat_CMR.shape
+  D = LAT_DIM + ROPE_DIM
   T = tail.shape[1]
   if tail.shape != (C, T, D) or tail.dtype != jnp.bfloat16:
     raise ValueError(f"tail must be bf16 [C, T, {D}] = [{C}, T, {D}], got {tail.dtype}{tail.shape}")
@@ -328,25 +347,26 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
                      f"got {tail_visible_CMT.dtype}{tail_visible_CMT.shape}")
   if cache_seq is not None and cache_seq.shape != (C,):
     raise ValueError(f"cache_seq must be [C] = [{C}], got {cache_seq.shape}")
-  if D != LAT_DIM + ROPE_DIM or cache.shape[-1] != D or (cache_seq is None and cache.shape[0] != C):
-    raise ValueError(f"q [C, M, {LAT_DIM + ROPE_DIM}] and cache [C, S_max, {LAT_DIM + ROPE_DIM}] expected, "
-                     f"got {q_CMD.shape} and {cache.shape}")
-  if q_CMD.dtype != jnp.bfloat16 or cache.dtype != jnp.bfloat16:
-    raise ValueError(f"the Mosaic prefix kernel takes bf16, got q {q_CMD.dtype} and cache {cache.dtype}")
-  if M % BLOCK_M or cache.shape[1] % 8:
-    raise ValueError(f"q rows ({M}) must be a multiple of {BLOCK_M} and cache rows ({cache.shape[1]}) of 8 "
-                     "(TMA tiles; tree_mla_attention pads the queries)")
+  if (R != LAT_DIM or q_rope_CMP.shape != (C, M, ROPE_DIM) or cache.shape[-1] != D
+      or (cache_seq is None and cache.shape[0] != C)):
+    raise ValueError(f"q_lat [C, M, {LAT_DIM}], q_rope [C, M, {ROPE_DIM}] and cache [C, S_max, {D}] expected, "
+                     f"got {q_lat_CMR.shape}, {q_rope_CMP.shape} and {cache.shape}")
+  if {q_lat_CMR.dtype, q_rope_CMP.dtype, cache.dtype} != {jnp.dtype(jnp.bfloat16)}:
+    raise ValueError(f"the Mosaic prefix kernel takes bf16, got q_lat {q_lat_CMR.dtype}, q_rope {q_rope_CMP.dtype} "
+                     f"and cache {cache.dtype}")
+  if cache.shape[1] % 8:
+    raise ValueError(f"cache rows ({cache.shape[1]}) must be a multiple of 8 (TMA tiles)")
   num_key_blocks = pl.cdiv(cache.shape[1], BLOCK_K)
   if num_key_blocks ** 2 >= 2 ** 31:  # group_table multiplies two block counts in int32
     raise ValueError(f"cache rows ({cache.shape[1]}) must be at most {BLOCK_K * 46340} (int32 group bounds)")
   plan = check_plan(plan, C, num_key_blocks)
-  dtype = q_CMD.dtype
-  num_tail_rows = pl.cdiv(T, BLOCK_K) * BLOCK_K  # whole key blocks, so every TMA box is in bounds
-  tail = jnp.pad(tail, [(0, 0), (0, num_tail_rows - T), (0, 0)])
-  bits = lax.bitcast_convert_type(tail_visibility_bits(tail_visible_CMT, M), jnp.float32)  # TMA copies bytes
+  q_lat_CMR, q_rope_CMP, tail = (pad_rows_for_tma(x) for x in (q_lat_CMR, q_rope_CMP, tail))
+  dtype = jnp.bfloat16
+  num_rows = pl.cdiv(M, BLOCK_M) * BLOCK_M  # whole row tiles for the words and lse (TMA strides: 16 B multiples)
+  bits = lax.bitcast_convert_type(tail_visibility_bits(tail_visible_CMT, num_rows), jnp.float32)  # TMA copies bytes
   scratch = [  # swizzled buffers first: a barrier placed between them costs a 1 KB alignment gap
-      # q_smem (swizzled as kv_smem: one wgmma wants one swizzle); dead after the key loop, then the output stage
-      plgpu.RefUnion(tiled_smem((BLOCK_M, D), dtype, 64),
+      # the queries (swizzled as kv_smem: one wgmma wants one swizzle); dead after the key loop, then the output stage
+      plgpu.RefUnion((tiled_smem((BLOCK_M, LAT_DIM), dtype, 64), tiled_smem((BLOCK_M, ROPE_DIM), dtype, 64)),
                      (tiled_smem((2, 2, BLOCK_M, EPI_N), jnp.float32, 128), plgpu.SMEM((BLOCK_M,), jnp.float32))),
       # kv_smem [slot, half block]; 32-key MMA operands need 64 B swizzle
       tiled_smem((STAGES, 2, HALF_K, D), dtype, 64),
@@ -354,7 +374,7 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
       # row_smem: [2] the row exchange, [2 + half tail block] the visibility words (one buffer: each
       # allocation is 1 KB aligned, and two would not fit beside the rest for T = 129)
       plgpu.SMEM((2 + pl.cdiv(T, 32), BLOCK_M), jnp.float32),
-      plgpu.Barrier(),  # q_bar
+      plgpu.Barrier(num_arrivals=2),  # q_bar: q_lat and q_rope
       plgpu.Barrier(),  # bits_bar
       plgpu.Barrier(num_barriers=STAGES * 2),  # kv_bars: [slot * 2 + half]
       plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # consumed_bars
@@ -363,8 +383,8 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
   ]
   kernel = plgpu.kernel(
       functools.partial(_kernel, num_tail=T, qk_scale=qk_scale, interpret=interpret),
-      out_type=(jax.ShapeDtypeStruct((len(plan), M, LAT_DIM), jnp.float32),
-                jax.ShapeDtypeStruct((len(plan), M), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((len(plan), q_lat_CMR.shape[1], LAT_DIM), jnp.float32),
+                jax.ShapeDtypeStruct((len(plan), num_rows), jnp.float32)),
       scratch_types=scratch,
       # the last grid axis is CUDA's x, launched fastest: a group's row tiles run side by side (its keys stay in
       # L2), then the groups in plan order (`tree_mla_attention.plan_splits` models this order)
@@ -376,5 +396,6 @@ def mla_prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, *, pl
   )
   if cache_seq is None:
     cache_seq = jnp.arange(C, dtype=jnp.int32)
-  return kernel(group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_rows // BLOCK_K), q_CMD, cache,
-                tail, bits)
+  o, lse = kernel(group_table(plan, prefix_len, cache_seq, num_key_blocks, pl.cdiv(T, BLOCK_K)), q_lat_CMR,
+                  q_rope_CMP, cache, tail, bits)
+  return o[:, :M], lse[:, :M]

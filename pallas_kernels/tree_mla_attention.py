@@ -387,19 +387,15 @@ def _mosaic_attention(q_lat_CMR, q_rope_CMP, cache, cache_seq, prefix_len, tail,
                       interpret, prefix_attention=mla_prefix_mosaic.mla_prefix_attention):
   """(o [G, M, R], lse [G, M], plan): the partials of the plan's groups from `mla_prefix_mosaic` (64-row tiles,
   64-key blocks, one CTA an SM; a sequence's last group also attends to the tail), under `mosaic_plan` or
-  num_splits equal splits a sequence. The query rows are padded to whole tiles (TMA boxes may not exceed the
-  array) and the padding cut off again. prefix_attention: the kernel (another version of it in A/B races)."""
+  num_splits equal splits a sequence. prefix_attention: the kernel (another version of it in A/B races)."""
   C, M, _ = q_lat_CMR.shape
   T = tail.shape[1]
   plan = (mla_prefix_mosaic.equal_plan(num_splits, C, mosaic_tiles(M, cache.shape[1], T)[1]) if num_splits
           else mosaic_plan(C, M, cache.shape[1], T))
-  block_m = mla_prefix_mosaic.BLOCK_M
-  pad = [(0, 0), (0, pl.cdiv(M, block_m) * block_m - M), (0, 0)]
-  q_CMD = jnp.pad(jnp.concatenate([q_lat_CMR, q_rope_CMP], axis=-1), pad)
-  tail_visible_CMT = jnp.pad(jnp.repeat(visibility, M // T, axis=1), pad[:2] + [(0, 0)])  # row t * H + h: token t
-  o, lse = prefix_attention(q_CMD, cache, prefix_len, tail, tail_visible_CMT, plan=plan, qk_scale=qk_scale,
-                            cache_seq=cache_seq, interpret=interpret)
-  return o[:, :M], lse[:, :M], plan
+  tail_visible_CMT = jnp.repeat(visibility, M // T, axis=1)  # row t * H + h: token t
+  o, lse = prefix_attention(q_lat_CMR, q_rope_CMP, cache, prefix_len, tail, tail_visible_CMT, plan=plan,
+                            qk_scale=qk_scale, cache_seq=cache_seq, interpret=interpret)
+  return o, lse, plan
 
 
 @functools.partial(jax.jit, static_argnames=["scale", "block_m", "block_k", "block_r", "num_splits", "num_warps",

@@ -29,30 +29,37 @@ def random_tail_visibility(rng, C, M, T, see_nothing=()):
   return jnp.asarray(visible)
 
 
+def split_q(q_CMD):
+  """(q_lat [C, M, 512], q_rope [C, M, 64]) of [C, M, 576] rows."""
+  return q_CMD[..., :mp.LAT_DIM], q_CMD[..., mp.LAT_DIM:]
+
+
 INTERLEAVED = ((1, 0, 2), (0, 0, 5), (1, 2, 5), (2, 0, 1), (3, 0, 4), (2, 1, 5), (3, 4, 5))
 
 
 @pytest.mark.parametrize("splits,T", [(1, 70), (3, 9), ((2, 1, 3, 2), 9), (INTERLEAVED, 9)])
 def test_partials_match_reference(splits, T):
-  """Ragged prefixes (empty, one key, a partial block, a whole cache that is no multiple of 64), two row tiles,
-  a tail of 9 rows (one block) or 70 (two, the second mostly padding); equal splits for every sequence, a count
+  """Ragged prefixes (empty, one key, a partial block, a whole cache that is no multiple of 64), 100 query rows
+  (the second row tile runs past them), a tail of 9 rows (one block) or 70 (two, the second mostly past the
+  tail's end: TMA reads zeros there); equal splits for every sequence, a count
   each, or an uneven plan whose sequences interleave (the tail in each sequence's last group). Rows of the empty
   prefix that see no tail row must come out 0 with lse -inf, as must every row of a group without keys. Partials
   come at their group's slot, sequence after sequence."""
   rng = np.random.default_rng(T)
   prefix_len = jnp.asarray([0, 1, 127, 264], jnp.int32)
-  q, cache, tail = bf16_normal(rng, 4, 128, D), bf16_normal(rng, 4, 264, D), bf16_normal(rng, 4, T, D)
-  visible = random_tail_visibility(rng, 4, 128, T, see_nothing=[(0, 3), (0, 100)])
+  q, cache, tail = bf16_normal(rng, 4, 100, D), bf16_normal(rng, 4, 264, D), bf16_normal(rng, 4, T, D)
+  visible = random_tail_visibility(rng, 4, 100, T, see_nothing=[(0, 3), (0, 99)])
   plan = splits if isinstance(splits, tuple) and isinstance(splits[0], tuple) else mp.equal_plan(splits, 4, 5)
   run = functools.partial(mp.mla_prefix_attention, plan=plan, qk_scale=QK_SCALE, interpret=True)
-  o, lse = run(q, cache, prefix_len, tail, visible)
-  o_ref, lse_ref = mp.mla_prefix_reference(q, cache, prefix_len, tail, visible, plan=plan, qk_scale=QK_SCALE)
-  assert o.shape == (len(plan), 128, mp.LAT_DIM) and lse.shape == (len(plan), 128)
+  o, lse = run(*split_q(q), cache, prefix_len, tail, visible)
+  o_ref, lse_ref = mp.mla_prefix_reference(*split_q(q), cache, prefix_len, tail, visible, plan=plan,
+                                           qk_scale=QK_SCALE)
+  assert o.shape == (len(plan), 100, mp.LAT_DIM) and lse.shape == (len(plan), 100)
   np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_ref))  # the same groups are empty
   slots = mp.partial_slots(plan, 4)
   seq0 = [slots[g] for g, group in enumerate(plan) if group[0] == 0]
   assert np.isneginf(np.asarray(lse)[seq0[:-1]]).all()  # no prefix: only the tail group sees keys
-  assert np.isneginf(lse[seq0[-1], [3, 100]]).all() and not np.asarray(o[seq0[-1], [3, 100]]).any()
+  assert np.isneginf(lse[seq0[-1], [3, 99]]).all() and not np.asarray(o[seq0[-1], [3, 99]]).any()
   assert not np.asarray(o)[np.isneginf(np.asarray(lse))].any()
   finite = np.isfinite(lse_ref)
   np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite], atol=2e-3)
@@ -81,8 +88,9 @@ def test_large_logits_stay_finite():
   q, cache = bf16_normal(rng, 1, 64, D, scale=30.0), bf16_normal(rng, 1, 200, D, scale=30.0)
   tail, visible = bf16_normal(rng, 1, 5, D, scale=30.0), random_tail_visibility(rng, 1, 64, 5)
   plan = mp.equal_plan(1, 1, 4)
-  o, lse = mp.mla_prefix_attention(q, cache, prefix_len, tail, visible, plan=plan, qk_scale=1.0, interpret=True)
-  o_ref, _ = mp.mla_prefix_reference(q, cache, prefix_len, tail, visible, plan=plan, qk_scale=1.0)
+  o, lse = mp.mla_prefix_attention(*split_q(q), cache, prefix_len, tail, visible, plan=plan, qk_scale=1.0,
+                                   interpret=True)
+  o_ref, _ = mp.mla_prefix_reference(*split_q(q), cache, prefix_len, tail, visible, plan=plan, qk_scale=1.0)
   assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(lse)).all()
   assert rel_err(o, o_ref) < 1e-2
 
@@ -111,30 +119,30 @@ def test_layer_of_a_cache_stack():
 
 def test_bad_arguments_raise():
   rng = np.random.default_rng(0)
-  q, lens = bf16_normal(rng, 1, 64, D), jnp.asarray([5], jnp.int32)
+  (q_lat, q_rope), lens = split_q(bf16_normal(rng, 1, 64, D)), jnp.asarray([5], jnp.int32)
   tail, visible = bf16_normal(rng, 1, 3, D), random_tail_visibility(rng, 1, 64, 3)
   run = functools.partial(mp.mla_prefix_attention, plan=((0, 0, 1),), qk_scale=1.0, interpret=True)
   with pytest.raises(ValueError, match="cache rows"):
-    run(q, bf16_normal(rng, 1, 777, D), lens, tail, visible)
-  with pytest.raises(ValueError, match="q rows"):
-    run(q[:, :40], bf16_normal(rng, 1, 64, D), lens, tail, visible[:, :40])
+    run(q_lat, q_rope, bf16_normal(rng, 1, 777, D), lens, tail, visible)
+  with pytest.raises(ValueError, match="q_rope"):
+    run(q_lat, q_rope[:, :40], bf16_normal(rng, 1, 64, D), lens, tail, visible)
   with pytest.raises(ValueError, match="bf16"):
-    run(q.astype(jnp.float32), bf16_normal(rng, 1, 64, D), lens, tail, visible)
+    run(q_lat, q_rope.astype(jnp.float32), bf16_normal(rng, 1, 64, D), lens, tail, visible)
   with pytest.raises(ValueError, match="tail_visible"):
-    run(q, bf16_normal(rng, 1, 64, D), lens, tail, visible[:, :, :2])
+    run(q_lat, q_rope, bf16_normal(rng, 1, 64, D), lens, tail, visible[:, :, :2])
   with pytest.raises(ValueError, match="tail must be"):
-    run(q, bf16_normal(rng, 1, 64, D), lens, tail[..., :512], visible)
+    run(q_lat, q_rope, bf16_normal(rng, 1, 64, D), lens, tail[..., :512], visible)
   for bad_splits in ((1, 2), 0):  # two counts for one sequence; no split
     with pytest.raises(ValueError, match="num_splits"):
       mp.equal_plan(bad_splits, 1, 1)
   for bad_plan in (((0, 0, 2), (0, 1, 2)), ((0, 0, 1), (1, 0, 2)), ((0, 1, 2),), ((0, 0, 1),)):
     with pytest.raises(ValueError, match="plan"):  # overlap; no sequence 1; a gap at 0; short of the cache's 2
-      mp.mla_prefix_attention(q, bf16_normal(rng, 1, 128, D), lens, tail, visible, plan=bad_plan, qk_scale=1.0,
-                              interpret=True)
+      mp.mla_prefix_attention(q_lat, q_rope, bf16_normal(rng, 1, 128, D), lens, tail, visible, plan=bad_plan,
+                              qk_scale=1.0, interpret=True)
   huge_cache = jax.ShapeDtypeStruct((1, 64 * 46340 + 8, D), jnp.bfloat16)  # traced only, never allocated
   with pytest.raises(ValueError, match="at most 2965760"):
     jax.eval_shape(functools.partial(mp.mla_prefix_attention, plan=((0, 0, 46341),), qk_scale=1.0, interpret=True),
-                   q, huge_cache, lens, tail, visible)
+                   q_lat, q_rope, huge_cache, lens, tail, visible)
   args = make_inputs(1, 2, 16, R=mp.LAT_DIM, P=mp.ROPE_DIM, prefix_lens=[3], S=777, dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="S_max % 8"):
     tree_mla_attention(*args, scale=0.05, prefix_kernel="mosaic", interpret=True)

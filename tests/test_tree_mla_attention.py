@@ -259,9 +259,9 @@ def test_merge_of_an_interleaved_plan(T, H, prefix_lens, plan):
     whole reference (ragged and empty prefixes, odd splits)."""
     q_lat, q_rope, cache, prefix_len, tail, vis = make_inputs(9, T, H, R=512, P=64, prefix_lens=prefix_lens, S=3008)
     M = T * H
-    q = jnp.concatenate([q_lat.reshape(4, M, 512), q_rope.reshape(4, M, 64)], -1)
     tail_visible = jnp.repeat(vis, H, axis=1)
-    o, lse = mla_prefix_mosaic.mla_prefix_reference(q, cache, prefix_len, tail, tail_visible, plan=plan, qk_scale=0.3)
+    o, lse = mla_prefix_mosaic.mla_prefix_reference(q_lat.reshape(4, M, 512), q_rope.reshape(4, M, 64), cache,
+                                                    prefix_len, tail, tail_visible, plan=plan, qk_scale=0.3)
     merged = merge_groups(o, lse, plan, 4).reshape(4, T, H, 512)
     want = tree_mla_attention_reference(q_lat, q_rope, cache, prefix_len, tail, vis, scale=0.3 / np.log2(np.e))
     assert rel_err(merged, want) < 1e-5
