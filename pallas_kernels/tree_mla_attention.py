@@ -411,8 +411,9 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
   prefix keys per step; block_r width of the latent chunks (default 256 for 64-row tiles, else R);
   num_splits prefix ranges per sequence (default: Mosaic `mosaic_plan`, a split plan over the batch;
   Triton `choose_num_splits`, with one program per SM resident for 64-row tiles and two for 16-row tiles);
-  num_warps (default 8 for block_m >= 64, else 4) and num_stages for Triton. prefix_kernel: "triton" (the kernel below), "mosaic" (`mla_prefix_mosaic`,
-  warp-specialised; see `mosaic_prefix_fits`; block_m / block_k / block_r / warps / stages do not apply)
+  num_warps (default 8 for block_m >= 64, else 4) and num_stages for Triton. prefix_kernel: "triton" (the
+  kernel below), "mosaic" (`mla_prefix_mosaic`, warp-specialised; see `mosaic_prefix_fits`; block_m / block_k /
+  block_r / warps / stages do not apply)
   or "auto": mosaic where it fits, T*H > 16 and the GPU is a Hopper (`arch.has_wgmma`), else triton.
   Defaults are the H200 tuning winners (bench/verify_attn.md): block_k 64, 2 stages, latent in 256-wide
   chunks for 64-row tiles (verify 42.5% of floor vs 34.5% for block_k 32 / 3 stages / whole latent), and

@@ -1,5 +1,5 @@
 """Where tree_mla_attention's time goes on the GPU: the whole call, its Mosaic kernel alone (prefix splits and
-the tail; queries concatenated and padded as the wrapper does), the rest (log-sum-exp merge, glue) as the
+the tail, with the XLA ops the wrapper puts in front of it), the rest (log-sum-exp merge, glue) as the
 difference, and the whole call at other prefix split counts (equal splits, the same count for every sequence,
 against the wrapper's split plan).
 
@@ -37,7 +37,7 @@ def default_plan(C, S, T, H):
 def kernel_only(q_lat, q_rope, cache, prefix_len, tail, visibility, *, num_splits,
                 prefix_attention=mla_prefix_mosaic.mla_prefix_attention):
   """The Mosaic kernel's partials (o [G, M, R], lse [G, M]: prefix splits and tail) on tree_mla_attention's
-  arguments, queries padded as it does."""
+  arguments, prepared as it does."""
   C, T, H, R = q_lat.shape
   o, lse, _ = attn._mosaic_attention(q_lat.reshape(C, T * H, R), q_rope.reshape(C, T * H, -1), cache,
                                      jnp.arange(C, dtype=jnp.int32), prefix_len, tail, visibility,

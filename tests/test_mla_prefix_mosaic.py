@@ -97,8 +97,8 @@ def test_large_logits_stay_finite():
 
 @pytest.mark.parametrize("T,H,prefix_lens", [(9, 8, [0, 5, 304]), (1, 64, [1, 300])])
 def test_tree_attention_with_mosaic_prefix(T, H, prefix_lens):
-  """Whole tree attention (Mosaic prefix, Triton tail, merge): 72 rows padded to two tiles, and decode at 64
-  heads; random trees, rows that see no prefix."""
+  """Whole tree attention (Mosaic prefix and tail, merge): 72 rows (the second tile past their end) and a 9-row
+  tail (padded to 16 rows), and decode at 64 heads (one tail row); random trees, rows that see no prefix."""
   args = make_inputs(3, T, H, R=mp.LAT_DIM, P=mp.ROPE_DIM, prefix_lens=prefix_lens, S=304, dtype=jnp.bfloat16)
   out = tree_mla_attention(*args, scale=0.05, prefix_kernel="mosaic", interpret=True)
   f32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
