@@ -169,6 +169,7 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NV
     (129, 8, 512, 64, {}, 1),                               # the largest tree: 192 tail rows, 6 bit words
     (65, 64, 512, 64, dict(prefix_kernel="triton"), 0),     # the Triton verify tile: block_m 64, 8 warps
     (1, 64, 512, 64, {}, 1),                                # decode, all heads on one GPU
+    (5, 64, 512, 64, {}, 1),                                # a 5-row tail, read unpadded
     (1, 64, 512, 64, dict(prefix_kernel="triton"), 0),
     (1, 8, 512, 64, {}, 0),                                 # decode under TP-8: Triton, block_m 16
     (33, 8, 512, 64, dict(block_k=64, block_r=256, num_stages=2, prefix_kernel="triton"), 0),
