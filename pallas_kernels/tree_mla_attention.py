@@ -357,15 +357,16 @@ def merge_groups(o_GMR, lse_GM, plan, num_seqs):
   the same count are merged together (their runs gathered into [C_n, n, ...]) and put back in order. (Partials
   at their plan position needed a gather even then: 5-10 us more a decode call at C = 2-4; a Pallas-Triton
   merge measured no faster in whole calls: bench/verify_attn.md, runs 29-30 and 35-36.)"""
-  counts = [len(groups) for groups in mla_prefix_mosaic.sequence_groups(plan, num_seqs)]
+  groups = mla_prefix_mosaic.sequence_groups(plan, num_seqs)
+  counts = [len(gs) for gs in groups]
   if len(set(counts)) == 1:
     return _merge_partials(o_GMR.reshape(num_seqs, counts[0], *o_GMR.shape[1:]),
                            lse_GM.reshape(num_seqs, counts[0], -1))
-  starts = np.cumsum([0] + counts[:-1])
+  slots = mla_prefix_mosaic.partial_slots(plan, num_seqs)
   merged, order = [], []
   for count in sorted(set(counts)):
     seqs = [seq for seq in range(num_seqs) if counts[seq] == count]
-    index = starts[seqs][:, None] + np.arange(count)
+    index = np.asarray([slots[groups[seq]] for seq in seqs])
     merged.append(_merge_partials(o_GMR[index], lse_GM[index]))
     order += seqs
   return jnp.concatenate(merged)[np.argsort(order)]
