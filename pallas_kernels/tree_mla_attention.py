@@ -251,8 +251,9 @@ def _pow2_at_least(n):
 _SPLIT_OVERHEAD_BLOCKS = 16
 
 
-def choose_num_splits(num_programs, num_key_blocks, resident_programs):
-  """Prefix splits per (sequence, m block) minimising waves x per-program work.
+def choose_num_splits(num_programs, num_key_blocks, resident_programs, min_split_blocks=4):
+  """Prefix splits per (sequence, m block) minimising waves x per-program work, at most
+  ceil(num_key_blocks / min_split_blocks) of them.
 
   num_programs: C * m blocks (programs per split); num_key_blocks: S_max / block_k; resident_programs:
   programs the GPU runs at once (one wave). A split count that leaves a last, mostly idle wave costs a
@@ -260,7 +261,7 @@ def choose_num_splits(num_programs, num_key_blocks, resident_programs):
   def cost(splits):
     waves = pl.cdiv(num_programs * splits, resident_programs)
     return waves * (pl.cdiv(num_key_blocks, splits) + _SPLIT_OVERHEAD_BLOCKS), splits
-  return min(range(1, max(1, pl.cdiv(num_key_blocks, 4)) + 1), key=cost)
+  return min(range(1, max(1, pl.cdiv(num_key_blocks, min_split_blocks)) + 1), key=cost)
 
 
 def list_schedule_makespan(program_sizes, resident_programs):
@@ -411,7 +412,8 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
   Knobs: block_m query rows (tree token x head) per tile, clamped to T*H (at least 16); block_k
   prefix keys per step; block_r width of the latent chunks (default 256 for 64-row tiles, else R);
   num_splits prefix ranges per sequence (default: Mosaic `mosaic_plan`, a split plan over the batch;
-  Triton `choose_num_splits`, with one program per SM resident for 64-row tiles and two for 16-row tiles);
+  Triton `choose_num_splits`, with one program per SM resident for 64-row tiles and two for 16-row tiles, and
+  16-row tiles split down to one key block a split);
   num_warps (default 8 for block_m >= 64, else 4) and num_stages for Triton. prefix_kernel: "triton" (the
   kernel below), "mosaic" (`mla_prefix_mosaic`, warp-specialised; see `mosaic_prefix_fits`; block_m / block_k /
   block_r / warps / stages do not apply)
@@ -448,8 +450,13 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
                                             interpret=interpret)
     return merge_groups(o_GMR, lse_GM, plan, C).reshape(C, T, H, R).astype(q_lat.dtype)
   if num_splits is None:
-    resident = _NUM_SMS * (1 if block_m >= 64 else 2)  # 64-row tiles fill an SM's shared memory
-    num_splits = choose_num_splits(C * num_m_blocks, pl.cdiv(S_max, block_k), resident)
+    wide = block_m >= 64
+    resident = _NUM_SMS * (1 if wide else 2)  # 64-row tiles fill an SM's shared memory
+    # 16-row tiles split down to one key block: where SMs are idle a program's latency is the call's, and their
+    # 16 KB partials cost the merge little (decode at 8 heads, C <= 16 at 1K and C <= 2 at 8K: 8-31% less a
+    # layer; bench/verify_attn.md, runs 50-52)
+    num_splits = choose_num_splits(C * num_m_blocks, pl.cdiv(S_max, block_k), resident,
+                                   min_split_blocks=4 if wide else 1)
   o_prefix, lse_prefix = pl.pallas_call(
       functools.partial(_prefix_kernel, num_rows=M, num_splits=num_splits, block_m=block_m, block_k=block_k,
                         block_r=block_r, qk_scale=qk_scale),

@@ -203,18 +203,23 @@ def test_cache_stack_is_read_in_place(prefix_kernel):
   assert "dynamic_slice" not in hlo and "tensor<8x4096x576xbf16>" in hlo  # the [L*C, S, 576] view
 
 
-@pytest.mark.parametrize("programs,key_blocks,resident,want", [
-    (8, 512, 132, 16),    # C=8 decode at 32K: 128 programs; 17 splits (136) would add a 4-program wave
-    (16, 512, 132, 8),
-    (1, 512, 132, 128),
-    (520, 512, 132, 1),   # C=8 verify, 65 m blocks: already four waves
-    (65, 512, 132, 2),    # C=1 verify: 130 programs, not 3 splits (195: two waves)
-    (72, 512, 132, 5),    # C=8 verify at 8 heads: 3 waves of 103 blocks beat 5 of 57 (fixed cost a program)
-    (1, 2, 132, 1),       # a short cache is not split below 4 key blocks a split
+@pytest.mark.parametrize("programs,key_blocks,resident,min_split_blocks,want", [
+    (8, 512, 132, 4, 16),    # C=8 decode at 32K: 128 programs; 17 splits (136) would add a 4-program wave
+    (16, 512, 132, 4, 8),
+    (1, 512, 132, 4, 128),
+    (520, 512, 132, 4, 1),   # C=8 verify, 65 m blocks: already four waves
+    (65, 512, 132, 4, 2),    # C=1 verify: 130 programs, not 3 splits (195: two waves)
+    (72, 512, 132, 4, 5),    # C=8 verify at 8 heads: 3 waves of 103 blocks beat 5 of 57 (fixed cost a program)
+    (1, 2, 132, 4, 1),       # a short cache is not split below 4 key blocks a split
+    (1, 16, 264, 1, 16),     # Triton decode at 8 heads (16-row tiles), 1K: one key block a split
+    (1, 128, 264, 1, 128),   # ... and 8K at C = 1
+    (4, 128, 264, 1, 64),    # ... C = 4: 256 programs, one wave
+    (8, 512, 264, 1, 32),    # ... C = 8 at 32K: 33 splits would not shorten a split (16 blocks)
 ])
-def test_choose_num_splits_avoids_a_mostly_idle_wave(programs, key_blocks, resident, want):
-    splits = choose_num_splits(programs, key_blocks, resident)
+def test_choose_num_splits_avoids_a_mostly_idle_wave(programs, key_blocks, resident, min_split_blocks, want):
+    splits = choose_num_splits(programs, key_blocks, resident, min_split_blocks)
     assert splits == want
+    assert splits <= max(1, -(-key_blocks // min_split_blocks))
     waves = -(-programs * splits // resident)
     assert programs * splits > (waves - 1) * resident + resident // 2 or waves == 1
 
