@@ -453,8 +453,8 @@ def tree_mla_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, sc
     wide = block_m >= 64
     resident = _NUM_SMS * (1 if wide else 2)  # 64-row tiles fill an SM's shared memory
     # 16-row tiles split down to one key block: where SMs are idle a program's latency is the call's, and their
-    # 16 KB partials cost the merge little (decode at 8 heads, C <= 16 at 1K and C <= 2 at 8K: 8-31% less a
-    # layer; bench/verify_attn.md, runs 50-52)
+    # partials (16 KB a split at 8 heads) cost the merge little (decode at 8 heads, C <= 16 at 1K and C <= 2 at
+    # 8K: 8-31% less a layer; bench/verify_attn.md, runs 50-52)
     num_splits = choose_num_splits(C * num_m_blocks, pl.cdiv(S_max, block_k), resident,
                                    min_split_blocks=4 if wide else 1)
   o_prefix, lse_prefix = pl.pallas_call(
