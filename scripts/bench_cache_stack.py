@@ -20,27 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.tree_mla_attention import tree_mla_attention
-from scripts.bench_verify_attn import random_tree_visibility
+from scripts.bench_attn_layer_scan import layer_scan
+from scripts.bench_verify_attn import P, R, SCALE, random_tree_visibility
 
-R, P = 512, 64
-SCALE = 0.1
 POINTS = ((8, 32768, 1, 64), (8, 32768, 1, 8), (8, 32768, 65, 8), (8, 32768, 65, 64), (8, 8192, 65, 64),
           (1, 8192, 1, 64))  # (C, S_max, T, H)
 
 
-def layer_scans(num_layers):
+def layer_scans():
   """(sliced, in_place) jitted f(q_lat, q_rope, stack, prefix_len, tail, visibility) -> last layer's output."""
   def sliced(q_lat, q_rope, stack, prefix_len, tail, visibility):
     def body(q, cache_layer):
       return tree_mla_attention(q, q_rope, cache_layer, prefix_len, tail, visibility, scale=SCALE), None
     return jax.lax.scan(body, q_lat, stack)[0]
 
-  def in_place(q_lat, q_rope, stack, prefix_len, tail, visibility):
-    def body(q, layer):
-      return tree_mla_attention(q, q_rope, stack, prefix_len, tail, visibility, scale=SCALE, layer=layer), None
-    return jax.lax.scan(body, q_lat, jnp.arange(num_layers, dtype=jnp.int32))[0]
-
-  return jax.jit(sliced), jax.jit(in_place)
+  return jax.jit(sliced), jax.jit(layer_scan)  # layer_scan runs every layer of the stack it is given
 
 
 def median_seconds(fn, args, repeats):
@@ -65,7 +59,7 @@ def main():
   record = {"device": jax.devices()[0].device_kind, "commit": commit or "unknown",
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "command": " ".join(["python3"] + sys.argv), "layers": args.layers, "rows": []}
-  sliced, in_place = layer_scans(args.layers)
+  sliced, in_place = layer_scans()
   rng = np.random.default_rng(0)
   for C, S, T, H in POINTS:
     keys = jax.random.split(jax.random.key(C * S + T * H), 4)
