@@ -5,6 +5,7 @@ Converts a Hugging Face K2 / K2.5 / K2.6 checkpoint (and optionally a z-lab DFla
 checkpoint that `k26jax.load(OUT, mesh=...)` restores straight onto a mesh. See convert/converter.py for the
 streaming, resume and atomicity design.
 """
+
 import argparse
 import sys
 
@@ -17,20 +18,37 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m convert", description=__doc__.split("\n\n")[1])
     p.add_argument("--hf", required=True, help="Hugging Face checkpoint directory (config.json, index, shards)")
     p.add_argument("--out", required=True, help="output directory; appears only when the conversion is complete")
-    p.add_argument("--expert-sharding", choices=("ep", "tp"), default="ep",
-                   help="routed-expert layout the chunks are cut for (restore can use either)")
+    p.add_argument(
+        "--expert-sharding",
+        choices=("ep", "tp"),
+        default="ep",
+        help="routed-expert layout the chunks are cut for (restore can use either)",
+    )
     p.add_argument("--mesh", type=int, default=8, help="size of the 'model' mesh axis the chunks are cut for")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="dtype of float weights (INT4 experts, their bf16 scales and the fp32 router bias keep theirs)")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="dtype of float weights (INT4 experts, their bf16 scales and the fp32 router bias keep theirs)",
+    )
     p.add_argument("--drafter", help="z-lab DFlash drafter directory, converted into OUT/drafter")
     p.add_argument("--dry-run", action="store_true", help="validate the source and print the plan; write nothing")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion (OUT.partial)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT (and discard any OUT.partial)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
-    opts = Options(hf_dir=a.hf, out=a.out.rstrip("/"), expert_mode=a.expert_sharding, mesh=a.mesh, dtype=a.dtype,
-                   drafter_dir=a.drafter, dry_run=a.dry_run, resume=a.resume, overwrite=a.overwrite,
-                   progress=not a.no_progress)
+    opts = Options(
+        hf_dir=a.hf,
+        out=a.out.rstrip("/"),
+        expert_mode=a.expert_sharding,
+        mesh=a.mesh,
+        dtype=a.dtype,
+        drafter_dir=a.drafter,
+        dry_run=a.dry_run,
+        resume=a.resume,
+        overwrite=a.overwrite,
+        progress=not a.no_progress,
+    )
     try:
         convert(opts)
     except (CheckpointError, ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:

@@ -17,6 +17,7 @@ Resume and atomicity:
   * at the end: orbax's _METADATA, manifest.json (per-leaf shape, dtype, chunks, sha256), then COMPLETE holding the
     manifest's sha256, then the rename. The loader refuses any directory without a matching COMPLETE.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,6 +72,7 @@ class _Step:
 @dataclasses.dataclass
 class _Job:
     """One checkpoint to build: the target in OUT, or the drafter in OUT/drafter."""
+
     kind: str
     subdir: str
     hf_config: dict
@@ -100,8 +102,9 @@ def _chunks(shape, dtype, spec: PartitionSpec, mesh: AbstractMesh, stacked: bool
         chunks[0] = 1
     else:
         row_bytes = int(np.prod(chunks[1:])) * _np_dtype(str(np.dtype(dtype))).itemsize
-        chunks[0] = max(d for d in range(1, chunks[0] + 1)
-                        if chunks[0] % d == 0 and (d * row_bytes <= TOP_CHUNK_BYTES or d == 1))
+        chunks[0] = max(
+            d for d in range(1, chunks[0] + 1) if chunks[0] % d == 0 and (d * row_bytes <= TOP_CHUNK_BYTES or d == 1)
+        )
     return chunks
 
 
@@ -109,9 +112,14 @@ def _leaves(shapes: dict, specs: dict, mesh: AbstractMesh, stacked: Callable[[st
     shapes, specs = flatten_tree(shapes), flatten_tree(specs)
     if set(shapes) != set(specs):
         raise RuntimeError(f"parameter tree and sharding specs differ: {sorted(set(shapes) ^ set(specs))}")
-    return {name: {"shape": list(shape), "dtype": str(np.dtype(dtype)),
-                   "chunks": _chunks(shape, dtype, specs[name], mesh, stacked(name))}
-            for name, (shape, dtype) in shapes.items()}
+    return {
+        name: {
+            "shape": list(shape),
+            "dtype": str(np.dtype(dtype)),
+            "chunks": _chunks(shape, dtype, specs[name], mesh, stacked(name)),
+        }
+        for name, (shape, dtype) in shapes.items()
+    }
 
 
 def _read_json(path: str) -> dict | None:
@@ -131,17 +139,34 @@ def _target_job(opts: Options, mesh: AbstractMesh) -> tuple[_Job, ModelConfig, H
     leaves = _leaves(shapes, specs, mesh, stacked=lambda name: name.split(".")[0] in ("dense", "moe"))
     top = [name for name in leaves if "." not in name]
     embed_rows, head_rows = leaves["embed"]["chunks"][0], leaves["lm_head"]["chunks"][0]
-    steps = [_Step("top", {name: (0, leaves[name]["shape"][0]) for name in top},
-                   lambda: hf_layout.top_pieces(hf, cfg, opts.dtype, embed_rows, head_rows))]
+    steps = [
+        _Step(
+            "top",
+            {name: (0, leaves[name]["shape"][0]) for name in top},
+            lambda: hf_layout.top_pieces(hf, cfg, opts.dtype, embed_rows, head_rows),
+        )
+    ]
     for layer in range(cfg.num_hidden_layers):
         kind, i = hf_layout.kind_index(cfg, layer)
         rows = {name: (i, i + 1) for name in leaves if name.startswith(kind + ".")}
-        steps.append(_Step(f"layer {layer}", rows,
-                           lambda layer=layer, kind=kind, i=i: (((kind, *path), (i,), arr) for path, arr in
-                                                                hf_layout.layer_pieces(hf, cfg, layer, opts.dtype)),
-                           source_prefix=f"model.layers.{layer}."))
-    job = _Job("target", "", _read_json(os.path.join(opts.hf_dir, "config.json")),
-               _read_json(os.path.join(opts.hf_dir, "generation_config.json")), leaves, steps)
+        steps.append(
+            _Step(
+                f"layer {layer}",
+                rows,
+                lambda layer=layer, kind=kind, i=i: (
+                    ((kind, *path), (i,), arr) for path, arr in hf_layout.layer_pieces(hf, cfg, layer, opts.dtype)
+                ),
+                source_prefix=f"model.layers.{layer}.",
+            )
+        )
+    job = _Job(
+        "target",
+        "",
+        _read_json(os.path.join(opts.hf_dir, "config.json")),
+        _read_json(os.path.join(opts.hf_dir, "generation_config.json")),
+        leaves,
+        steps,
+    )
     return job, cfg, hf
 
 
@@ -163,8 +188,7 @@ def _drafter_job(opts: Options, target: ModelConfig, mesh: AbstractMesh) -> _Job
             yield tuple(name.split(".")), (), np.asarray(params.pop(name)).astype(dtype)
 
     step = _Step("drafter", {name: (0, leaf["shape"][0]) for name, leaf in leaves.items()}, pieces)
-    return _Job("drafter", DRAFTER_DIR, _read_json(os.path.join(opts.drafter_dir, "config.json")), None, leaves,
-                [step])
+    return _Job("drafter", DRAFTER_DIR, _read_json(os.path.join(opts.drafter_dir, "config.json")), None, leaves, [step])
 
 
 def _file_sha256(path: str) -> str | None:
@@ -176,14 +200,20 @@ def _file_sha256(path: str) -> str | None:
 
 def _plan(opts: Options, hf: HFCheckpoint) -> dict:
     """What a resumed run must agree on: the source files and the options."""
-    return {"format": FORMAT, "hf_dir": os.path.abspath(opts.hf_dir),
-            "config_sha256": _file_sha256(os.path.join(opts.hf_dir, "config.json")),
-            "index_sha256": _file_sha256(os.path.join(opts.hf_dir, hf_layout.INDEX_FILE)),
-            "shard_bytes": {f: os.path.getsize(os.path.join(opts.hf_dir, f))
-                            for f in sorted({e["file"] for e in hf.entries.values()})},
-            "drafter_dir": opts.drafter_dir and os.path.abspath(opts.drafter_dir),
-            "drafter_config_sha256": opts.drafter_dir and _file_sha256(os.path.join(opts.drafter_dir, "config.json")),
-            "dtype": opts.dtype, "expert_mode": opts.expert_mode, "mesh": opts.mesh}
+    return {
+        "format": FORMAT,
+        "hf_dir": os.path.abspath(opts.hf_dir),
+        "config_sha256": _file_sha256(os.path.join(opts.hf_dir, "config.json")),
+        "index_sha256": _file_sha256(os.path.join(opts.hf_dir, hf_layout.INDEX_FILE)),
+        "shard_bytes": {
+            f: os.path.getsize(os.path.join(opts.hf_dir, f)) for f in sorted({e["file"] for e in hf.entries.values()})
+        },
+        "drafter_dir": opts.drafter_dir and os.path.abspath(opts.drafter_dir),
+        "drafter_config_sha256": opts.drafter_dir and _file_sha256(os.path.join(opts.drafter_dir, "config.json")),
+        "dtype": opts.dtype,
+        "expert_mode": opts.expert_mode,
+        "mesh": opts.mesh,
+    }
 
 
 # ---- output directory policy -------------------------------------------------------------------------------
@@ -196,14 +226,18 @@ def _prepare_staging(opts: Options, plan: dict) -> tuple[str, list[str]]:
         if opts.overwrite:
             shutil.rmtree(staging)
         elif not opts.resume:
-            raise FileExistsError(f"{staging}: an interrupted conversion is there; pass --resume to continue it "
-                                  f"or --overwrite to start over")
+            raise FileExistsError(
+                f"{staging}: an interrupted conversion is there; pass --resume to continue it "
+                f"or --overwrite to start over"
+            )
     if os.path.exists(staging):
         old = _read_json(os.path.join(staging, PLAN_FILE)) or {}
         if old != plan:
             diff = sorted(k for k in set(plan) | set(old) if old.get(k) != plan.get(k))
-            raise ValueError(f"{staging}: cannot --resume: it was started with a different source or options "
-                             f"(differs in {diff}); pass --overwrite to start over")
+            raise ValueError(
+                f"{staging}: cannot --resume: it was started with a different source or options "
+                f"(differs in {diff}); pass --overwrite to start over"
+            )
         return staging, _journal(staging)
     os.makedirs(staging)
     with open(os.path.join(staging, PLAN_FILE), "w") as f:
@@ -246,10 +280,16 @@ def convert(opts: Options, log: Callable[[str], None] = print) -> dict:
     target, cfg, hf = _target_job(opts, mesh)
     jobs = [target] + ([_drafter_job(opts, cfg, mesh)] if opts.drafter_dir else [])
     total = sum(job.step_bytes(step) for job in jobs for step in job.steps)
-    summary = {"total_bytes": total, "skipped": hf.skipped_summary() or "nothing",
-               "leaves": sum(len(job.leaves) for job in jobs), "steps": sum(len(job.steps) for job in jobs)}
-    log(f"{opts.hf_dir}: {cfg.num_hidden_layers} layers ({cfg.num_dense_layers} dense, {cfg.num_moe_layers} MoE), "
-        f"{total / 1e9:.3f} GB to write; skipped {summary['skipped']}")
+    summary = {
+        "total_bytes": total,
+        "skipped": hf.skipped_summary() or "nothing",
+        "leaves": sum(len(job.leaves) for job in jobs),
+        "steps": sum(len(job.steps) for job in jobs),
+    }
+    log(
+        f"{opts.hf_dir}: {cfg.num_hidden_layers} layers ({cfg.num_dense_layers} dense, {cfg.num_moe_layers} MoE), "
+        f"{total / 1e9:.3f} GB to write; skipped {summary['skipped']}"
+    )
     if opts.dry_run:
         for job in jobs:
             for name, leaf in job.leaves.items():
@@ -267,8 +307,10 @@ def convert(opts: Options, log: Callable[[str], None] = print) -> dict:
     hashers = [{name: hashlib.sha256() for name in job.leaves} for job in jobs]
     start = time.perf_counter()
     if done:
-        log(f"resuming {staging}: {len(done)} of {summary['steps']} steps already done; re-reading them for the "
-            f"checksums")
+        log(
+            f"resuming {staging}: {len(done)} of {summary['steps']} steps already done; re-reading them for the "
+            f"checksums"
+        )
         _rehash(jobs, trees, hashers, set(done), opts.progress)
     _write_steps(jobs, trees, hashers, staging, set(done), total, hf, opts.progress)
     for job, tree, hasher in reversed(list(zip(jobs, trees, hashers))):  # the target's COMPLETE last
@@ -306,8 +348,16 @@ def _write_steps(jobs, trees, hashers, staging, done: set[str], total: int, hf, 
     kill_after = int(os.environ.get(KILL_HOOK, "0"))
     written = 0
     initial = sum(job.step_bytes(s) for job in jobs for s in job.steps if f"{job.kind}:{s.name}" in done)
-    with tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
-              disable=not progress, smoothing=0.1) as bar:
+    with tqdm(
+        total=total,
+        initial=initial,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="convert",
+        disable=not progress,
+        smoothing=0.1,
+    ) as bar:
         for job, tree, hasher in zip(jobs, trees, hashers):
             for k, step in enumerate(job.steps):
                 key = f"{job.kind}:{step.name}"
@@ -333,12 +383,18 @@ def _write_steps(jobs, trees, hashers, staging, done: set[str], total: int, hf, 
 def _finish(job: _Job, tree: ZarrTree, hasher: dict, job_dir: str, opts: Options, hf: HFCheckpoint) -> None:
     """orbax metadata, manifest, then the COMPLETE marker."""
     tree.write_orbax_metadata()
-    manifest = {"format": FORMAT, "kind": job.kind, "hf_config": job.hf_config,
-                "generation_config": job.generation_config, "dtype": opts.dtype, "expert_mode": opts.expert_mode,
-                "mesh": opts.mesh, "source": os.path.abspath(opts.hf_dir if job.kind == "target" else opts.drafter_dir),
-                "skipped": {g: {"tensors": n, "bytes": b} for g, (n, b) in hf.skipped.items()}
-                if job.kind == "target" else {},
-                "leaves": {name: dict(leaf, sha256=hasher[name].hexdigest()) for name, leaf in job.leaves.items()}}
+    manifest = {
+        "format": FORMAT,
+        "kind": job.kind,
+        "hf_config": job.hf_config,
+        "generation_config": job.generation_config,
+        "dtype": opts.dtype,
+        "expert_mode": opts.expert_mode,
+        "mesh": opts.mesh,
+        "source": os.path.abspath(opts.hf_dir if job.kind == "target" else opts.drafter_dir),
+        "skipped": {g: {"tensors": n, "bytes": b} for g, (n, b) in hf.skipped.items()} if job.kind == "target" else {},
+        "leaves": {name: dict(leaf, sha256=hasher[name].hexdigest()) for name, leaf in job.leaves.items()},
+    }
     raw = json.dumps(manifest, indent=1).encode()
     with open(os.path.join(job_dir, MANIFEST_FILE), "wb") as f:
         f.write(raw)

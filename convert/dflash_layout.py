@@ -10,6 +10,7 @@ as `DFlashDraftModel.state_dict()` (torch Linear weights [out, in]):
 The tree is the one documented in k26jax/model/drafter.py. Layers are filled slice by slice into preallocated
 stacked arrays, so reading holds one copy of the weights.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,7 @@ def _layer_tensors(cfg: DrafterConfig) -> dict:
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     whole, t = (), np.transpose
 
-    def heads_in(h):    # [h*K, D] <-> [D, h, K]
+    def heads_in(h):  # [h*K, D] <-> [D, h, K]
         return lambda w: w.T.reshape(D, h, K), lambda x: x.reshape(D, h * K).T
 
     return {
@@ -42,8 +43,13 @@ def _layer_tensors(cfg: DrafterConfig) -> dict:
         "self_attn.q_proj.weight": ((Hq * K, D), ("attn", "q"), whole, *heads_in(Hq)),
         "self_attn.k_proj.weight": ((Hkv * K, D), ("attn", "k"), whole, *heads_in(Hkv)),
         "self_attn.v_proj.weight": ((Hkv * K, D), ("attn", "v"), whole, *heads_in(Hkv)),
-        "self_attn.o_proj.weight": ((D, Hq * K), ("attn", "o"), whole, lambda w: w.T.reshape(Hq, K, D),
-                                    lambda x: x.reshape(Hq * K, D).T),
+        "self_attn.o_proj.weight": (
+            (D, Hq * K),
+            ("attn", "o"),
+            whole,
+            lambda w: w.T.reshape(Hq, K, D),
+            lambda x: x.reshape(Hq * K, D).T,
+        ),
         "self_attn.q_norm.weight": ((K,), ("attn", "q_norm"), whole, _same, _same),
         "self_attn.k_norm.weight": ((K,), ("attn", "k_norm"), whole, _same, _same),
         "mlp.gate_proj.weight": ((I, D), ("mlp", "gate_up"), (slice(None), 0), t, t),
@@ -56,10 +62,18 @@ def _layer_leaf_shapes(cfg: DrafterConfig) -> dict[tuple[str, ...], tuple[int, .
     """Tree path -> one layer's slice shape (the stacked leaf is [n, *shape])."""
     D, K, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    return {("input_norm",): (D,), ("post_attn_norm",): (D,), ("attn", "q"): (D, Hq, K),
-            ("attn", "k"): (D, Hkv, K), ("attn", "v"): (D, Hkv, K), ("attn", "o"): (Hq, K, D),
-            ("attn", "q_norm"): (K,), ("attn", "k_norm"): (K,), ("mlp", "gate_up"): (D, 2, I),
-            ("mlp", "down"): (I, D)}
+    return {
+        ("input_norm",): (D,),
+        ("post_attn_norm",): (D,),
+        ("attn", "q"): (D, Hq, K),
+        ("attn", "k"): (D, Hkv, K),
+        ("attn", "v"): (D, Hkv, K),
+        ("attn", "o"): (Hq, K, D),
+        ("attn", "q_norm"): (K,),
+        ("attn", "k_norm"): (K,),
+        ("mlp", "gate_up"): (D, 2, I),
+        ("mlp", "down"): (I, D),
+    }
 
 
 def _same(x):
@@ -69,9 +83,11 @@ def _same(x):
 def _top_tensors(cfg: DrafterConfig):
     """HF name -> (HF shape, tree key, HF -> tree, tree -> HF)."""
     D = cfg.hidden_size
-    return {"fc.weight": ((D, cfg.context_dim), "fc", np.transpose, np.transpose),
-            "hidden_norm.weight": ((D,), "hidden_norm", _same, _same),
-            "norm.weight": ((D,), "final_norm", _same, _same)}
+    return {
+        "fc.weight": ((D, cfg.context_dim), "fc", np.transpose, np.transpose),
+        "hidden_norm.weight": ((D,), "hidden_norm", _same, _same),
+        "norm.weight": ((D,), "final_norm", _same, _same),
+    }
 
 
 def _leaf(tree: dict, path: tuple[str, ...]):
@@ -113,8 +129,10 @@ def read_drafter_params(path: str, cfg: DrafterConfig) -> dict:
         raise ValueError(f"{path}: missing tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}")
     unknown = sorted(set(files) - set(expected))
     if unknown:
-        raise ValueError(f"{path}: tensors a DFlashDraftModel does not have: {unknown[:6]} (a DFlash2 drafter "
-                         f"or another architecture?)")
+        raise ValueError(
+            f"{path}: tensors a DFlashDraftModel does not have: {unknown[:6]} (a DFlash2 drafter "
+            f"or another architecture?)"
+        )
     with contextlib.ExitStack() as stack:
         opened = {}
 
@@ -166,8 +184,9 @@ def save_drafter_hf(path: str | os.PathLike, cfg: DrafterConfig, params: dict, d
         return np.ascontiguousarray(x if out_dtype is None else x.astype(out_dtype))
 
     _check_tree(cfg, params)
-    tensors = {name: host(from_tree(np.asarray(params[key])))
-               for name, (_, key, _, from_tree) in _top_tensors(cfg).items()}
+    tensors = {
+        name: host(from_tree(np.asarray(params[key]))) for name, (_, key, _, from_tree) in _top_tensors(cfg).items()
+    }
     for suffix, (_, path_, index, _, from_tree) in _layer_tensors(cfg).items():
         stacked = _leaf(params["layers"], path_)
         for i in range(cfg.num_hidden_layers):

@@ -11,6 +11,7 @@ is dequantized to bf16 exactly as compressed-tensors does, bf16(q * scale).
 
 The tree (stacked per layer kind, [in, out] layout) is documented in `param_shapes`.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,23 @@ RELEASE_EVERY = 16  # experts read between unmapping the shards
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"bfloat16": BF16, "float32": np.dtype(np.float32)}
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-             "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}  # safetensors dtype tag -> bytes
+_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+}  # safetensors dtype tag -> bytes
 FLOATS = ("BF16", "F16", "F32")
 
 
@@ -57,17 +73,21 @@ class HFCheckpoint:
         self.skipped: dict[str, list[int]] = {}  # skipped group -> [tensors, bytes]
         self._handles: dict[str, Any] = {}
         weight_map = self._weight_map()
-        headers = {f: self._header(f, sorted(n for n, g in weight_map.items() if g == f))
-                   for f in sorted(set(weight_map.values()))}
+        headers = {
+            f: self._header(f, sorted(n for n, g in weight_map.items() if g == f))
+            for f in sorted(set(weight_map.values()))
+        }
         for disk_name, file in weight_map.items():
             header, data_start = headers[file]
             info = header.get(disk_name)
             if info is None:
-                raise CheckpointError(f"{self._path(file)}: {INDEX_FILE} lists tensor {disk_name!r} in this shard, "
-                                      f"but the shard does not contain it")
+                raise CheckpointError(
+                    f"{self._path(file)}: {INDEX_FILE} lists tensor {disk_name!r} in this shard, "
+                    f"but the shard does not contain it"
+                )
             dtype, shape = info["dtype"], tuple(info["shape"])
             nbytes = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE.get(dtype, 1)
-            name = disk_name[len(WRAPPER_PREFIX):] if disk_name.startswith(WRAPPER_PREFIX) else disk_name
+            name = disk_name[len(WRAPPER_PREFIX) :] if disk_name.startswith(WRAPPER_PREFIX) else disk_name
             group = next((p.rstrip(".") for p in SKIPPED_PREFIXES if name.startswith(p)), None)
             group = group or next((s.lstrip(".") for s in SKIPPED_SUFFIXES if name.endswith(s)), None)
             if group:
@@ -75,10 +95,18 @@ class HFCheckpoint:
                 count[0], count[1] = count[0] + 1, count[1] + nbytes
                 continue
             if name in self.entries:
-                raise CheckpointError(f"{self._path(file)}: tensor {disk_name!r} maps to {name!r}, which "
-                                      f"{self.entries[name]['disk_name']!r} in {self.entries[name]['file']} also does")
-            self.entries[name] = dict(file=file, disk_name=disk_name, shape=shape, dtype=dtype, nbytes=nbytes,
-                                      offset=data_start + info["data_offsets"][0])
+                raise CheckpointError(
+                    f"{self._path(file)}: tensor {disk_name!r} maps to {name!r}, which "
+                    f"{self.entries[name]['disk_name']!r} in {self.entries[name]['file']} also does"
+                )
+            self.entries[name] = dict(
+                file=file,
+                disk_name=disk_name,
+                shape=shape,
+                dtype=dtype,
+                nbytes=nbytes,
+                offset=data_start + info["data_offsets"][0],
+            )
 
     # ---- index and headers --------------------------------------------------------------------------------
     def _path(self, file: str) -> str:
@@ -102,14 +130,16 @@ class HFCheckpoint:
     def _header(self, file: str, names: list[str]) -> tuple[dict[str, Any], int]:
         path = self._path(file)
         if not os.path.isfile(path):
-            raise CheckpointError(f"{path}: shard is missing; {INDEX_FILE} maps {len(names)} tensor(s) to it, "
-                                  f"e.g. {names[0]!r}")
+            raise CheckpointError(
+                f"{path}: shard is missing; {INDEX_FILE} maps {len(names)} tensor(s) to it, e.g. {names[0]!r}"
+            )
         header, data_start = _read_header(path)
         data_end = max((max(v["data_offsets"]) for v in header.values()), default=0)
         size = os.path.getsize(path)
         if size < data_start + data_end:
-            raise CheckpointError(f"{path}: shard is truncated: its header needs {data_start + data_end} bytes, "
-                                  f"the file has {size}")
+            raise CheckpointError(
+                f"{path}: shard is truncated: its header needs {data_start + data_end} bytes, the file has {size}"
+            )
         return header, data_start
 
     # ---- reading ------------------------------------------------------------------------------------------
@@ -187,8 +217,10 @@ def _linear(specs: dict, hf: HFCheckpoint, prefix: str, out_dim: int, in_dim: in
     """Adds the tensors of one nn.Linear [out, in]: INT4 (packed words, bf16 scales, shape) or one float weight."""
     quantized = routed or any(f"{prefix}.{s}" in hf for s in ("weight_packed", "weight_scale", "weight_shape"))
     if routed and f"{prefix}.weight" in hf:
-        raise CheckpointError(f"{hf.where(prefix + '.weight')}: routed experts stored unquantized are not "
-                              f"supported; k26jax keeps routed experts INT4 (compressed-tensors pack-quantized)")
+        raise CheckpointError(
+            f"{hf.where(prefix + '.weight')}: routed experts stored unquantized are not "
+            f"supported; k26jax keeps routed experts INT4 (compressed-tensors pack-quantized)"
+        )
     if quantized:
         specs[f"{prefix}.weight_packed"] = ((out_dim, in_dim // PACK), ("I32",))
         specs[f"{prefix}.weight_scale"] = ((out_dim, in_dim // GROUP), ("BF16",))
@@ -258,13 +290,16 @@ def validate(hf: HFCheckpoint, cfg: ModelConfig, max_listed: int = 20) -> None:
         problems.append(f"{hf.where(packed[0])} is pack-quantized but config.json has no quantization_config")
     if problems:
         more = f"\n  ... and {len(problems) - max_listed} more" if len(problems) > max_listed else ""
-        raise CheckpointError(f"{hf.dir}: checkpoint does not match its config ({len(problems)} problem(s)):\n  "
-                              + "\n  ".join(problems[:max_listed]) + more)
+        raise CheckpointError(
+            f"{hf.dir}: checkpoint does not match its config ({len(problems)} problem(s)):\n  "
+            + "\n  ".join(problems[:max_listed])
+            + more
+        )
     for name in packed:  # weight_shape must agree with the packed tensor (cheap: 2 ints each)
         want = (specs[name][0][0], specs[name][0][1] * PACK)
-        got = tuple(int(v) for v in hf.read(name[:-len("packed")] + "shape"))
+        got = tuple(int(v) for v in hf.read(name[: -len("packed")] + "shape"))
         if got != want:
-            raise CheckpointError(f"{hf.where(name[:-len('packed')] + 'shape')} is {list(got)}, expected {list(want)}")
+            raise CheckpointError(f"{hf.where(name[: -len('packed')] + 'shape')} is {list(got)}, expected {list(want)}")
 
 
 # ---- the tree ----------------------------------------------------------------------------------------------
@@ -278,8 +313,13 @@ def param_shapes(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
     for kind, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers)):
         if not n:
             continue
-        attn = {"kv_a": ((D, R + Dr), f), "kv_a_norm": ((R,), f), "w_uk": ((H, Dn, R), f),
-                "w_uv": ((H, Dv, R), f), "o": ((H, Dv, D), f)}
+        attn = {
+            "kv_a": ((D, R + Dr), f),
+            "kv_a_norm": ((R,), f),
+            "w_uk": ((H, Dn, R), f),
+            "w_uv": ((H, Dv, R), f),
+            "o": ((H, Dv, D), f),
+        }
         if cfg.q_lora_rank is None:
             attn["q"] = ((D, H, Dn + Dr), f)
         else:
@@ -288,11 +328,14 @@ def param_shapes(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
         if kind == "dense":
             mlp = _swiglu_shapes(D, cfg.intermediate_size, f)
         else:
-            mlp = {"router_kernel": ((D, E), f), "router_bias": ((E,), np.dtype(np.float32)),
-                   "w13_packed": ((E, D // PACK, 2, Im), np.dtype(np.int32)),
-                   "w13_scale": ((E, D // GROUP, 2, Im), BF16),
-                   "w2_packed": ((E, Im // PACK, D), np.dtype(np.int32)),
-                   "w2_scale": ((E, Im // GROUP, D), BF16)}
+            mlp = {
+                "router_kernel": ((D, E), f),
+                "router_bias": ((E,), np.dtype(np.float32)),
+                "w13_packed": ((E, D // PACK, 2, Im), np.dtype(np.int32)),
+                "w13_scale": ((E, D // GROUP, 2, Im), BF16),
+                "w2_packed": ((E, Im // PACK, D), np.dtype(np.int32)),
+                "w2_scale": ((E, Im // GROUP, D), BF16),
+            }
             if cfg.n_shared_experts:
                 mlp["shared"] = _swiglu_shapes(D, Im * cfg.n_shared_experts, f)
         layer = {"input_norm": ((D,), f), "post_attn_norm": ((D,), f), "attn": attn, "mlp": mlp}
@@ -329,7 +372,7 @@ def transpose(a: np.ndarray, out: np.ndarray | None = None, tile: int = 256) -> 
     out = np.empty((cols, rows), a.dtype) if out is None else out
     for i in range(0, rows, tile):
         for j in range(0, cols, tile):
-            out[j:j + tile, i:i + tile] = a[i:i + tile, j:j + tile].T
+            out[j : j + tile, i : i + tile] = a[i : i + tile, j : j + tile].T
     return out
 
 
@@ -409,8 +452,13 @@ def layer_pieces(hf: HFCheckpoint, cfg: ModelConfig, layer: int, dtype: str = "b
         yield ("mlp", *path), arr
 
 
-def top_pieces(hf: HFCheckpoint, cfg: ModelConfig, dtype: str = "bfloat16", embed_rows: int | None = None,
-               head_rows: int | None = None) -> Iterator:
+def top_pieces(
+    hf: HFCheckpoint,
+    cfg: ModelConfig,
+    dtype: str = "bfloat16",
+    embed_rows: int | None = None,
+    head_rows: int | None = None,
+) -> Iterator:
     """Yields (path, index, array) for final_norm, embed [V, D] in blocks of `embed_rows` rows, and lm_head [D, V]
     in blocks of `head_rows` rows (each read as a column block of HF's [V, D]); blocks come in C order."""
     f, V, D = DTYPES[dtype], cfg.vocab_size, cfg.hidden_size

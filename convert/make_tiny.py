@@ -18,6 +18,7 @@ What it writes (the layout of moonshotai/Kimi-K2.6, at the preset's dims):
 
 Weights are deterministic in --seed; lm_head/embed std 4/sqrt(D) so greedy logits are far from ties.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,12 +36,29 @@ from k26jax.config import QUANT_CONFIG, ModelConfig, preset_text_config
 
 K2_VOCAB = 163840
 K2_SPECIAL_TOKENS = {  # K2 / K2.5 ids; the tiny vocab keeps each one's offset from the top
-    163584: "[BOS]", 163585: "[EOS]", 163586: "<|im_end|>", 163587: "<|im_user|>", 163588: "<|im_assistant|>",
-    163590: "<|start_header_id|>", 163591: "<|end_header_id|>", 163593: "[EOT]", 163594: "<|im_system|>",
-    163595: "<|tool_calls_section_begin|>", 163596: "<|tool_calls_section_end|>", 163597: "<|tool_call_begin|>",
-    163598: "<|tool_call_argument_begin|>", 163599: "<|tool_call_end|>", 163601: "<|im_middle|>",
-    163602: "<|media_begin|>", 163603: "<|media_content|>", 163604: "<|media_end|>", 163605: "<|media_pad|>",
-    163606: "<think>", 163607: "</think>", 163838: "[UNK]", 163839: "[PAD]",
+    163584: "[BOS]",
+    163585: "[EOS]",
+    163586: "<|im_end|>",
+    163587: "<|im_user|>",
+    163588: "<|im_assistant|>",
+    163590: "<|start_header_id|>",
+    163591: "<|end_header_id|>",
+    163593: "[EOT]",
+    163594: "<|im_system|>",
+    163595: "<|tool_calls_section_begin|>",
+    163596: "<|tool_calls_section_end|>",
+    163597: "<|tool_call_begin|>",
+    163598: "<|tool_call_argument_begin|>",
+    163599: "<|tool_call_end|>",
+    163601: "<|im_middle|>",
+    163602: "<|media_begin|>",
+    163603: "<|media_content|>",
+    163604: "<|media_end|>",
+    163605: "<|media_pad|>",
+    163606: "<think>",
+    163607: "</think>",
+    163838: "[UNK]",
+    163839: "[PAD]",
 }
 NUM_SPECIAL = 256
 MEDIA_PLACEHOLDER = 163605
@@ -130,12 +148,26 @@ def write_tokenizer(out: str, vocab_size: int) -> None:
             f.write(f"{base64.b64encode(token).decode()} {rank}\n")
     specials = special_tokens(vocab_size)
     config = {
-        "added_tokens_decoder": {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                          "single_word": False, "special": True} for i, t in specials.items()},
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for i, t in specials.items()
+        },
         "additional_special_tokens": [t for t in K2_SPECIAL_TOKENS.values() if not t.startswith("[")],
-        "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]",
-        "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
-        "model_max_length": 1048576, "tokenizer_class": "TikTokenTokenizer",
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1048576,
+        "tokenizer_class": "TikTokenTokenizer",
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
     }
     _dump_json(os.path.join(out, "tokenizer_config.json"), config)
@@ -168,16 +200,16 @@ class _Weights:
         flat, rows = out.reshape(-1, shape[-1]), max(1, (1 << 24) // shape[-1])
         for start in range(0, flat.shape[0], rows):
             block = self.rng.standard_normal((min(rows, flat.shape[0] - start), shape[-1]), np.float32)
-            flat[start:start + rows] = block * np.float32(std) + np.float32(mean)
+            flat[start : start + rows] = block * np.float32(std) + np.float32(mean)
         return out
 
     def linear(self, out_dim, in_dim):
-        return self.normal((out_dim, in_dim), in_dim ** -0.5)
+        return self.normal((out_dim, in_dim), in_dim**-0.5)
 
     def int4_linear(self, out_dim, in_dim):
         """(packed, scale, shape): uniform q in [-8, 7], scales so the weight std is about 1/sqrt(in)."""
         q = self.rng.integers(-8, 8, (out_dim, in_dim), np.int8)
-        scale = (self.rng.uniform(0.5, 1.5, (out_dim, in_dim // GROUP)) / (4.6 * in_dim ** 0.5)).astype(BF16)
+        scale = (self.rng.uniform(0.5, 1.5, (out_dim, in_dim // GROUP)) / (4.6 * in_dim**0.5)).astype(BF16)
         return pack_int4(q), scale, np.array([out_dim, in_dim], np.int32)
 
 
@@ -223,32 +255,37 @@ def _swiglu(w: _Weights, prefix, D, I):
 
 def _vision_tensors(w: _Weights, text_hidden: int):
     """A few bf16 tensors under K2.5's vision names (loaders skip them)."""
-    for name, shape in (("vision_tower.patch_embed.proj.weight", (32, 3, 14, 14)),
-                        ("vision_tower.encoder.blocks.0.wqkv.weight", (96, 32)),
-                        ("vision_tower.encoder.blocks.0.wo.weight", (32, 32)),
-                        ("vision_tower.encoder.final_layernorm.weight", (32,)),
-                        ("mm_projector.pre_norm.weight", (32,)),
-                        ("mm_projector.proj.0.weight", (128, 128)),
-                        ("mm_projector.proj.2.weight", (text_hidden, 128))):
+    for name, shape in (
+        ("vision_tower.patch_embed.proj.weight", (32, 3, 14, 14)),
+        ("vision_tower.encoder.blocks.0.wqkv.weight", (96, 32)),
+        ("vision_tower.encoder.blocks.0.wo.weight", (32, 32)),
+        ("vision_tower.encoder.final_layernorm.weight", (32,)),
+        ("mm_projector.pre_norm.weight", (32,)),
+        ("mm_projector.proj.0.weight", (128, 128)),
+        ("mm_projector.proj.2.weight", (text_hidden, 128)),
+    ):
         yield name, w.normal(shape, 0.02)
 
 
 def _all_tensors(w: _Weights, cfg: ModelConfig):
     D, V = cfg.hidden_size, cfg.vocab_size
-    yield WRAPPER_PREFIX + "model.embed_tokens.weight", w.normal((V, D), 4 * D ** -0.5)
+    yield WRAPPER_PREFIX + "model.embed_tokens.weight", w.normal((V, D), 4 * D**-0.5)
     for layer in range(cfg.num_hidden_layers):
         for name, arr in _layer_tensors(w, cfg, layer):
             yield WRAPPER_PREFIX + name, arr
     yield WRAPPER_PREFIX + "model.norm.weight", w.normal((D,), 0.1, 1.0)
-    yield WRAPPER_PREFIX + "lm_head.weight", w.normal((V, D), 4 * D ** -0.5)
+    yield WRAPPER_PREFIX + "lm_head.weight", w.normal((V, D), 4 * D**-0.5)
     yield from _vision_tensors(w, D)
 
 
 def write_weights(out: str, cfg: ModelConfig, seed: int, shard_bytes: int) -> list[str]:
     """Writes the shards and the index, holding one shard in memory; returns the shard file names."""
     first_moe = cfg.layer_kinds.index("moe") if "moe" in cfg.layer_kinds else None
-    split_after = (f"{WRAPPER_PREFIX}model.layers.{first_moe}.mlp.experts.0.up_proj.weight_shape"
-                   if first_moe is not None else None)
+    split_after = (
+        f"{WRAPPER_PREFIX}model.layers.{first_moe}.mlp.experts.0.up_proj.weight_shape"
+        if first_moe is not None
+        else None
+    )
     current: dict[str, np.ndarray] = {}
     size = 0
     weight_map, tmp_names = {}, []
@@ -285,31 +322,59 @@ def write_weights(out: str, cfg: ModelConfig, seed: int, shard_bytes: int) -> li
 def hf_config(text: dict) -> dict:
     """The kimi_k25 wrapper config.json around a text config dict."""
     V = text["vocab_size"]
-    text = {"architectures": ["DeepseekV3ForCausalLM"],
-            "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
-                         "AutoModel": "modeling_deepseek.DeepseekV3Model",
-                         "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
-            **text, "aux_loss_alpha": 0.001, "ep_size": 1, "num_nextn_predict_layers": 0, "seq_aux": True,
-            "initializer_range": 0.02, "attention_dropout": 0.0, "torch_dtype": "bfloat16", "use_cache": True,
-            "quantization_config": QUANT_CONFIG}
+    text = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+            "AutoModel": "modeling_deepseek.DeepseekV3Model",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+        },
+        **text,
+        "aux_loss_alpha": 0.001,
+        "ep_size": 1,
+        "num_nextn_predict_layers": 0,
+        "seq_aux": True,
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "quantization_config": QUANT_CONFIG,
+    }
     return {
         "architectures": ["KimiK25ForConditionalGeneration"],
-        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
-                     "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
-                     "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
+        "auto_map": {
+            "AutoConfig": "configuration_kimi_k25.KimiK25Config",
+            "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+            "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+        },
         "model_type": "kimi_k25",
-        "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
+        "bos_token_id": text["bos_token_id"],
+        "eos_token_id": text["eos_token_id"],
         "pad_token_id": text["pad_token_id"],
         "media_placeholder_token_id": MEDIA_PLACEHOLDER - K2_VOCAB + V,
-        "use_unified_vision_chunk": True, "video_placeholder": "<|kimi_k25_video_placeholder|>",
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "use_unified_vision_chunk": True,
+        "video_placeholder": "<|kimi_k25_video_placeholder|>",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
         "text_config": text,
-        "vision_config": {"patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64,
-                          "init_pos_emb_time": 4, "pos_emb_type": "divided_fixed", "vt_num_attention_heads": 2,
-                          "vt_num_hidden_layers": 1, "vt_hidden_size": 32, "vt_intermediate_size": 64,
-                          "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mm_projector_type": "patchmerger",
-                          "mm_hidden_size": 128, "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5,
-                          "text_hidden_size": text["hidden_size"]},
+        "vision_config": {
+            "patch_size": 14,
+            "init_pos_emb_height": 64,
+            "init_pos_emb_width": 64,
+            "init_pos_emb_time": 4,
+            "pos_emb_type": "divided_fixed",
+            "vt_num_attention_heads": 2,
+            "vt_num_hidden_layers": 1,
+            "vt_hidden_size": 32,
+            "vt_intermediate_size": 64,
+            "merge_kernel_size": [2, 2],
+            "merge_type": "sd2_tpool",
+            "mm_projector_type": "patchmerger",
+            "mm_hidden_size": 128,
+            "projector_hidden_act": "gelu",
+            "projector_ln_eps": 1e-5,
+            "text_hidden_size": text["hidden_size"],
+        },
     }
 
 
@@ -324,9 +389,16 @@ def tiny_text_config(preset: str, experts: int | None = None, overrides: dict | 
     return text
 
 
-def make_tiny(out: str, preset: str = "tiny", *, experts: int | None = None, seed: int = 0,
-              drafter: bool | None = None, shard_bytes: int | None = None, overrides: dict | None = None
-              ) -> ModelConfig:
+def make_tiny(
+    out: str,
+    preset: str = "tiny",
+    *,
+    experts: int | None = None,
+    seed: int = 0,
+    drafter: bool | None = None,
+    shard_bytes: int | None = None,
+    overrides: dict | None = None,
+) -> ModelConfig:
     """Writes the checkpoint (see the module docstring) into the new or empty directory `out`.
 
     drafter: None writes one for the tiny preset only. overrides: text-config fields to change (tests)."""
@@ -337,8 +409,10 @@ def make_tiny(out: str, preset: str = "tiny", *, experts: int | None = None, see
     config = hf_config(text)
     _dump_json(os.path.join(out, "config.json"), config)
     V = text["vocab_size"]
-    _dump_json(os.path.join(out, "generation_config.json"),
-               {"bos_token_id": V - 256, "eos_token_id": V - 254, "pad_token_id": V - 1, "do_sample": False})
+    _dump_json(
+        os.path.join(out, "generation_config.json"),
+        {"bos_token_id": V - 256, "eos_token_id": V - 254, "pad_token_id": V - 1, "do_sample": False},
+    )
     cfg = ModelConfig.from_hf_dir(out)
     write_weights(out, cfg, seed, shard_bytes or (2_500_000 if preset == "tiny" else 2 << 30))
     write_tokenizer(out, V)
@@ -354,14 +428,29 @@ def write_drafter(out: str, target_text: dict, seed: int) -> None:
     from k26jax.model import drafter
 
     V = target_text["vocab_size"]
-    dcfg = DrafterConfig.from_dict({
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": target_text["hidden_size"],
-        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
-        "head_dim": 32, "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": 1e-6,
-        "rope_theta": target_text["rope_theta"], "rope_scaling": target_text["rope_scaling"],
-        "max_position_embeddings": target_text["max_position_embeddings"],
-        "num_target_layers": target_text["num_hidden_layers"], "block_size": 8, "vocab_size": V,
-        "tie_word_embeddings": False, "dflash_config": {"mask_token_id": V - 2, "target_layer_ids": [1, 2]}})
+    dcfg = DrafterConfig.from_dict(
+        {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": target_text["hidden_size"],
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "head_dim": 32,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": target_text["rope_theta"],
+            "rope_scaling": target_text["rope_scaling"],
+            "max_position_embeddings": target_text["max_position_embeddings"],
+            "num_target_layers": target_text["num_hidden_layers"],
+            "block_size": 8,
+            "vocab_size": V,
+            "tie_word_embeddings": False,
+            "dflash_config": {"mask_token_id": V - 2, "target_layer_ids": [1, 2]},
+        }
+    )
     dflash_layout.save_drafter_hf(out, dcfg, drafter.init_params(dcfg, seed), dtype="bfloat16")
 
 
@@ -379,8 +468,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-drafter", action="store_true", help="skip DIR/drafter/")
     args = parser.parse_args(argv)
-    cfg = make_tiny(args.out, args.preset, experts=args.experts, seed=args.seed,
-                    drafter=False if args.no_drafter else None)
+    cfg = make_tiny(
+        args.out, args.preset, experts=args.experts, seed=args.seed, drafter=False if args.no_drafter else None
+    )
     print(f"wrote {args.out}: {args.preset}, {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts")
 
 

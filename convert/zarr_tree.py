@@ -9,6 +9,7 @@ lm_head, final norm) the shard shape with axis 0 cut into blocks of at most 64 M
 Arrays are stored uncompressed: INT4 words and bf16 weights barely compress, and zstd would cost the 2-core host
 more than the disk saves.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,11 @@ import numpy as np
 import tensorstore as ts
 
 _ZARR_DTYPES = {"bfloat16": "bfloat16", "float32": "<f4", "int32": "<i4", "float16": "<f2"}
-_TS_CONTEXT = {"cache_pool": {"total_bytes_limit": 0}, "data_copy_concurrency": {"limit": 2},
-               "file_io_concurrency": {"limit": 8}}
+_TS_CONTEXT = {
+    "cache_pool": {"total_bytes_limit": 0},
+    "data_copy_concurrency": {"limit": 2},
+    "file_io_concurrency": {"limit": 8},
+}
 
 
 class ZarrTree:
@@ -32,9 +36,17 @@ class ZarrTree:
         context = ts.Context(_TS_CONTEXT)
         self.arrays = {}
         for name, leaf in leaves.items():
-            spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(params_dir, name)},
-                    "metadata": {"shape": list(leaf["shape"]), "chunks": list(leaf["chunks"]),
-                                 "dtype": _ZARR_DTYPES[leaf["dtype"]], "compressor": None, "order": "C"}}
+            spec = {
+                "driver": "zarr",
+                "kvstore": {"driver": "file", "path": os.path.join(params_dir, name)},
+                "metadata": {
+                    "shape": list(leaf["shape"]),
+                    "chunks": list(leaf["chunks"]),
+                    "dtype": _ZARR_DTYPES[leaf["dtype"]],
+                    "compressor": None,
+                    "order": "C",
+                },
+            }
             self.arrays[name] = ts.open(spec, create=True, open=True, context=context).result()
 
     def write(self, name: str, index: tuple, array: np.ndarray) -> ts.Future:
@@ -48,7 +60,7 @@ class ZarrTree:
         """Rows [start, stop) of a leaf along axis 0, in blocks of whole chunks (bounded memory), C order."""
         step = self.leaves[name]["chunks"][0]
         for row in range(start, stop, step):
-            yield self.arrays[name][row:min(row + step, stop)].read().result()
+            yield self.arrays[name][row : min(row + step, stop)].read().result()
 
     def write_orbax_metadata(self) -> None:
         """orbax's `_METADATA`: the tree structure and, per leaf, a jax.Array with its chunk as write shape."""
@@ -57,9 +69,18 @@ class ZarrTree:
             keys = name.split(".")
             tree[str(tuple(keys))] = {
                 "key_metadata": [{"key": k, "key_type": 2} for k in keys],  # 2: dict key
-                "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False,
-                                   "write_shape": list(leaf["chunks"])}}
-        meta = {"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
-                "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
+                "value_metadata": {
+                    "value_type": "jax.Array",
+                    "skip_deserialize": False,
+                    "write_shape": list(leaf["chunks"]),
+                },
+            }
+        meta = {
+            "tree_metadata": tree,
+            "use_ocdbt": False,
+            "use_zarr3": False,
+            "store_array_data_equal_to_fill_value": True,
+            "custom_metadata": None,
+        }
         with open(os.path.join(self.dir, "_METADATA"), "w") as f:
             json.dump(meta, f)

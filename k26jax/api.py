@@ -1,4 +1,5 @@
 """`k26jax.load` and the `Model` users hold: config, parameters on a mesh, kernel choice, optional drafter."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,6 +31,7 @@ class Model:
     @functools.cached_property
     def tokenizer(self):
         from k26jax.tokenizer import Tokenizer
+
         if self.path is None:
             raise ValueError("this model has no checkpoint directory to read a tokenizer from")
         return Tokenizer(self.path)
@@ -41,8 +43,9 @@ class Model:
     def check_ids(self, token_ids, name="token_ids") -> np.ndarray:
         ids = np.asarray(token_ids)
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"{name}: expected an integer array [batch, tokens], got shape {ids.shape} "
-                             f"dtype {ids.dtype}")
+            raise ValueError(
+                f"{name}: expected an integer array [batch, tokens], got shape {ids.shape} dtype {ids.dtype}"
+            )
         if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
             bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)][0]
             raise ValueError(f"{name}: id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
@@ -58,11 +61,18 @@ class Model:
     def draft_logits(self, context_features, bonus_ids) -> jax.Array:
         """DFlash drafter, full forward, no cache: [B,Tc,n*D], [B] -> float32 [B, block_size-1, V]."""
         from k26jax.model import drafter
+
         if self.drafter_params is None:
             raise ValueError("this model was loaded without a drafter (pass drafter=DIR to k26jax.load)")
         bonus = self.check_ids(np.asarray(bonus_ids).reshape(-1, 1), "bonus_ids")[:, 0]
-        return drafter.draft_logits(self.drafter_params, self.drafter_cfg, self.params["embed"],
-                                    self.params["lm_head"], jnp.asarray(context_features, self.dtype), bonus)
+        return drafter.draft_logits(
+            self.drafter_params,
+            self.drafter_cfg,
+            self.params["embed"],
+            self.params["lm_head"],
+            jnp.asarray(context_features, self.dtype),
+            bonus,
+        )
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5), compiler_options=ops.COMPILER_OPTIONS)
@@ -78,8 +88,15 @@ def place(params: dict, cfg: ModelConfig, mesh: Mesh | None, expert_mode: str) -
     return jax.device_put(params, sharding.shardings_for(params, specs, mesh))
 
 
-def load(path, *, drafter=None, mesh: Mesh | None = None, dtype: str = "bfloat16", expert_mode: str = "ep",
-         impls: ops.Impls | None = None) -> Model:
+def load(
+    path,
+    *,
+    drafter=None,
+    mesh: Mesh | None = None,
+    dtype: str = "bfloat16",
+    expert_mode: str = "ep",
+    impls: ops.Impls | None = None,
+) -> Model:
     """Load a target (and optionally a DFlash drafter) from a HF directory or an orbax dir made by `convert`.
 
     drafter: a directory, or None to use `path/drafter` when it exists, or False for none.
@@ -92,10 +109,12 @@ def load(path, *, drafter=None, mesh: Mesh | None = None, dtype: str = "bfloat16
     impls = impls or ops.Impls.auto(mesh, expert_mode)
     if _is_hf_dir(path):
         from convert import hf_layout
+
         cfg = ModelConfig.from_hf_dir(path)
         params = place(hf_layout.read_hf_params(path, cfg, dtype=dtype), cfg, mesh, expert_mode)
     else:  # a converted checkpoint; restore refuses one without its COMPLETE marker
         from k26jax import checkpoint
+
         cfg, params = checkpoint.restore(path, mesh=mesh, expert_mode=expert_mode, dtype=dtype)
     model = Model(cfg, params, impls, mesh, path=path)
     drafter_dir = os.path.join(path, "drafter") if drafter is None else drafter
@@ -109,6 +128,7 @@ def load(path, *, drafter=None, mesh: Mesh | None = None, dtype: str = "bfloat16
 def _is_hf_dir(path: str) -> bool:
     """HF safetensors (not a directory made by `python -m convert`, which is marked by its COMPLETE file)."""
     from k26jax.checkpoint import COMPLETE_FILE
+
     if os.path.exists(os.path.join(path, COMPLETE_FILE)):
         return False
     return any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors.index.json", "model.safetensors"))
@@ -116,15 +136,19 @@ def _is_hf_dir(path: str) -> bool:
 
 def _attach_drafter(model: Model, drafter_dir: str, dtype: str) -> None:
     from k26jax.model import drafter as drafter_lib
+
     if _is_hf_dir(drafter_dir):
         from convert import dflash_layout
+
         dcfg, dparams = dflash_layout.load_drafter_hf(drafter_dir)
     else:
         from k26jax import checkpoint
+
         dcfg, dparams = checkpoint.restore_drafter(drafter_dir)
     dcfg.check_target(model.cfg)
-    dparams = jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]) if np.issubdtype(np.asarray(a).dtype,
-                                                                                  np.floating) else a, dparams)
+    dparams = jax.tree.map(
+        lambda a: jnp.asarray(a, DTYPES[dtype]) if np.issubdtype(np.asarray(a).dtype, np.floating) else a, dparams
+    )
     if model.mesh is not None:
         specs = drafter_lib.drafter_partition_specs(dcfg, model.mesh.shape[sharding.MODEL])
         dparams = jax.device_put(dparams, sharding.shardings_for(dparams, specs, model.mesh))

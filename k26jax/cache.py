@@ -3,6 +3,7 @@
 The model never writes the cache; it returns the latent rows of the tokens it ran. Prefill stores them at
 positions 0..T-1; a decode or tree-verify step stores the accepted tail rows at [len, len+n) (commit_tail).
 """
+
 from __future__ import annotations
 
 import jax
@@ -14,8 +15,8 @@ from k26jax.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-    rows: jax.Array      # [layers, C, S_max, R+Dr]
-    lengths: jax.Array   # [C] int32, valid rows per sequence
+    rows: jax.Array  # [layers, C, S_max, R+Dr]
+    lengths: jax.Array  # [C] int32, valid rows per sequence
 
     @property
     def max_len(self) -> int:
@@ -47,9 +48,9 @@ def commit_tail(cache: KVCache, tail_rows_LCTW, path_CP, accept_len_C, active_C=
     n_layers, C, _, W = tail_rows_LCTW.shape
     P = path_CP.shape[1]
     n = accept_len_C if active_C is None else jnp.where(active_C, accept_len_C, 0)
-    accepted = jax.vmap(gather_path, in_axes=(0, None))(tail_rows_LCTW, path_CP)        # [layers, C, P, W]
+    accepted = jax.vmap(gather_path, in_axes=(0, None))(tail_rows_LCTW, path_CP)  # [layers, C, P, W]
     j = jnp.arange(P, dtype=jnp.int32)[None]
-    pos = jnp.where(j < n[:, None], cache.lengths[:, None] + j, cache.max_len)          # out of range -> dropped
+    pos = jnp.where(j < n[:, None], cache.lengths[:, None] + j, cache.max_len)  # out of range -> dropped
     c = jnp.broadcast_to(jnp.arange(C)[:, None], (C, P))
     rows = cache.rows.at[:, c, pos].set(accepted.astype(cache.rows.dtype), mode="drop")
     return KVCache(rows, cache.lengths + n)

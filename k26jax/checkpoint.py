@@ -11,6 +11,7 @@ The target's directory also carries the source config.json, generation_config.js
 `restore` reads every device's slice of every leaf directly from disk (orbax + tensorstore): no host gather, no
 re-stacking. Any mesh works whose axes divide the shapes (sharding.fit_spec replicates dims they do not).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,8 +71,10 @@ def _restore_tree(path: str, manifest: dict, shardings: dict, dtype: str | None)
         _set(abstract, keys, jax.ShapeDtypeStruct(tuple(leaf["shape"]), want, sharding=sh))
         _set(args, keys, ocp.ArrayRestoreArgs(sharding=sh, dtype=want, global_shape=tuple(leaf["shape"])))
     with ocp.PyTreeCheckpointer() as ckptr:
-        return ckptr.restore(os.path.join(os.path.abspath(path), PARAMS_DIR),
-                             args=ocp.args.PyTreeRestore(item=abstract, restore_args=args))
+        return ckptr.restore(
+            os.path.join(os.path.abspath(path), PARAMS_DIR),
+            args=ocp.args.PyTreeRestore(item=abstract, restore_args=args),
+        )
 
 
 def _set(tree: dict, keys: list[str], value) -> None:
@@ -99,8 +102,10 @@ def _shardings(manifest: dict, specs: dict, mesh: Mesh | None) -> dict:
     if mesh is None:
         device = SingleDeviceSharding(jax.devices()[0])
         return {name: device for name in specs}
-    return {name: NamedSharding(mesh, sharding.fit_spec(spec, tuple(manifest["leaves"][name]["shape"]), mesh))
-            for name, spec in specs.items()}
+    return {
+        name: NamedSharding(mesh, sharding.fit_spec(spec, tuple(manifest["leaves"][name]["shape"]), mesh))
+        for name, spec in specs.items()
+    }
 
 
 def model_config(manifest: dict) -> ModelConfig:
@@ -111,8 +116,14 @@ def model_config(manifest: dict) -> ModelConfig:
     return cfg.replace(eos_token_ids=cfg.eos_token_ids + tuple(e for e in gen_eos if e not in cfg.eos_token_ids))
 
 
-def restore(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *, mesh: Mesh | None = None,
-            expert_mode: str = "ep", dtype: str | None = "bfloat16") -> tuple[ModelConfig, dict]:
+def restore(
+    ckpt_dir: str | os.PathLike,
+    cfg: ModelConfig | None = None,
+    *,
+    mesh: Mesh | None = None,
+    expert_mode: str = "ep",
+    dtype: str | None = "bfloat16",
+) -> tuple[ModelConfig, dict]:
     """(config, parameter tree of jax arrays) from a converted target checkpoint.
 
     mesh: a ("data", "model") mesh; leaves are placed with NamedSharding(mesh, param_partition_specs(cfg,
@@ -134,8 +145,9 @@ def restore(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *, mesh
     return stored, _restore_tree(path, manifest, _shardings(manifest, specs, mesh), dtype)
 
 
-def restore_drafter(ckpt_dir: str | os.PathLike, *, mesh: Mesh | None = None,
-                    dtype: str | None = None) -> tuple[DrafterConfig, dict]:
+def restore_drafter(
+    ckpt_dir: str | os.PathLike, *, mesh: Mesh | None = None, dtype: str | None = None
+) -> tuple[DrafterConfig, dict]:
     """(DrafterConfig, parameter tree of jax arrays) from a converted DFlash drafter checkpoint."""
     from k26jax.model.drafter import drafter_partition_specs
 

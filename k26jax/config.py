@@ -4,6 +4,7 @@ Accepts the K2.5/K2.6 `kimi_k25` wrapper (text config under `text_config`, `quan
 level) and plain text configs whose `model_type` is `kimi_k2` or `deepseek_v3`. Every field the math depends on is
 honoured; a value we cannot honour raises `ConfigError` naming the field. Nothing is silently defaulted.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,8 +89,7 @@ class ModelConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
-        return (self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
-                and layer % self.moe_layer_freq == 0)
+        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -106,7 +106,7 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         """192^-0.5 times the YaRN mscale squared (HF applies it whenever mscale_all_dim is set)."""
-        scale = self.qk_head_dim ** -0.5
+        scale = self.qk_head_dim**-0.5
         if self.rope_scaling is not None and self.rope_scaling.mscale_all_dim:
             m = yarn_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim)
             scale = scale * m * m
@@ -213,32 +213,93 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 # ---- presets --------------------------------------------------------------------------------------------
 K26_TEXT_CONFIG: dict[str, Any] = dict(
-    model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
-    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
-    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1,
-    moe_layer_freq=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827,
-    scoring_func="sigmoid", topk_method="noaux_tc", rms_norm_eps=1e-5, rope_theta=50000.0,
-    rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096, beta_fast=32.0,
-                      beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-    max_position_embeddings=262144, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
-    bos_token_id=163584, eos_token_id=163585, pad_token_id=163839,
+    model_type="kimi_k2",
+    vocab_size=163840,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=384,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.827,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    rms_norm_eps=1e-5,
+    rope_theta=50000.0,
+    rope_scaling=dict(
+        type="yarn",
+        factor=64.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    max_position_embeddings=262144,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    attention_bias=False,
+    bos_token_id=163584,
+    eos_token_id=163585,
+    pad_token_id=163839,
 )
 
 # Tiny: shards 8 ways under both expert layouts (experts % 8 == 0, moe_intermediate % 256 == 0, heads % 8 == 0).
 # Special tokens keep K2's offsets from the top of the vocabulary (K2: 163584 = V - 256).
 TINY_TEXT_CONFIG: dict[str, Any] = dict(
-    K26_TEXT_CONFIG, vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
-    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=96, kv_lora_rank=64,
-    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4,
-    max_position_embeddings=4096, bos_token_id=768, eos_token_id=769, pad_token_id=1023,
+    K26_TEXT_CONFIG,
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    max_position_embeddings=4096,
+    bos_token_id=768,
+    eos_token_id=769,
+    pad_token_id=1023,
 )
 
 QUANT_CONFIG: dict[str, Any] = {
-    "quant_method": "compressed-tensors", "format": "pack-quantized",
-    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                              "group_size": 32, "dynamic": False, "observer": "minmax"}}},
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "input_activations": None,
+            "output_activations": None,
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 32,
+                "dynamic": False,
+                "observer": "minmax",
+            },
+        }
+    },
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
 }
 
@@ -256,8 +317,9 @@ def preset_text_config(name: str) -> dict[str, Any]:
 
 
 def preset(name: str) -> ModelConfig:
-    return ModelConfig.from_hf_dict(dict(preset_text_config(name), quantization_config=QUANT_CONFIG),
-                                    source=f"preset {name}")
+    return ModelConfig.from_hf_dict(
+        dict(preset_text_config(name), quantization_config=QUANT_CONFIG), source=f"preset {name}"
+    )
 
 
 # ---- parsing helpers ------------------------------------------------------------------------------------
@@ -273,8 +335,9 @@ def _unwrap(raw: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str,
         return text, text.get("quantization_config", raw.get("quantization_config"))
     if model_type in TEXT_MODEL_TYPES:
         return raw, raw.get("quantization_config")
-    raise ConfigError(f"{source}: unknown model_type {model_type!r}; expected 'kimi_k25' (wrapper), "
-                      f"'kimi_k2' or 'deepseek_v3'")
+    raise ConfigError(
+        f"{source}: unknown model_type {model_type!r}; expected 'kimi_k25' (wrapper), 'kimi_k2' or 'deepseek_v3'"
+    )
 
 
 class _Fields:
@@ -340,8 +403,11 @@ def _rope_scaling(text: dict[str, Any], source: str) -> RopeScaling | None:
         return RopeScaling(
             factor=float(rs["factor"]),
             original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-            beta_fast=float(rs.get("beta_fast", 32.0)), beta_slow=float(rs.get("beta_slow", 1.0)),
-            mscale=float(rs.get("mscale", 1.0)), mscale_all_dim=float(rs.get("mscale_all_dim", 0.0)))
+            beta_fast=float(rs.get("beta_fast", 32.0)),
+            beta_slow=float(rs.get("beta_slow", 1.0)),
+            mscale=float(rs.get("mscale", 1.0)),
+            mscale_all_dim=float(rs.get("mscale_all_dim", 0.0)),
+        )
     except KeyError as e:
         raise ConfigError(f"{source}: rope_scaling (yarn) lacks {e.args[0]!r}") from e
 
@@ -351,19 +417,23 @@ def _quant(q: dict[str, Any] | None, source: str) -> QuantConfig | None:
         return None
     method, fmt = q.get("quant_method"), q.get("format")
     if method != "compressed-tensors" or fmt != "pack-quantized":
-        raise ConfigError(f"{source}: quantization_config: quant_method={method!r} format={fmt!r} is not "
-                          f"supported; k26jax implements compressed-tensors 'pack-quantized' INT4 only "
-                          f"(FP8 block checkpoints such as K2-Instruct are refused)")
+        raise ConfigError(
+            f"{source}: quantization_config: quant_method={method!r} format={fmt!r} is not "
+            f"supported; k26jax implements compressed-tensors 'pack-quantized' INT4 only "
+            f"(FP8 block checkpoints such as K2-Instruct are refused)"
+        )
     groups = q.get("config_groups") or {}
     if len(groups) != 1:
         raise ConfigError(f"{source}: quantization_config.config_groups: expected one group, got {len(groups)}")
-    (name, group), = groups.items()
+    ((name, group),) = groups.items()
     w = group.get("weights") or {}
     want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
     for key, value in want.items():
         if w.get(key) != value:
-            raise ConfigError(f"{source}: quantization_config.config_groups.{name}.weights.{key} = "
-                              f"{w.get(key)!r}; only {value!r} is supported (INT4, group 32, symmetric)")
+            raise ConfigError(
+                f"{source}: quantization_config.config_groups.{name}.weights.{key} = "
+                f"{w.get(key)!r}; only {value!r} is supported (INT4, group 32, symmetric)"
+            )
     if group.get("input_activations") is not None:
         raise ConfigError(f"{source}: quantization_config: activation quantization is not supported")
     return QuantConfig()
@@ -411,9 +481,15 @@ class DrafterRope:
     def to_hf_scaling(self) -> dict[str, Any] | None:
         if self.kind == "default":
             return None
-        out = dict(type="yarn", rope_type="yarn", factor=self.factor,
-                   original_max_position_embeddings=self.original_max_position_embeddings,
-                   beta_fast=self.beta_fast, beta_slow=self.beta_slow, attention_factor=self.attention_factor)
+        out = dict(
+            type="yarn",
+            rope_type="yarn",
+            factor=self.factor,
+            original_max_position_embeddings=self.original_max_position_embeddings,
+            beta_fast=self.beta_fast,
+            beta_slow=self.beta_slow,
+            attention_factor=self.attention_factor,
+        )
         if not self.truncate:
             out["truncate"] = False
         return out
@@ -445,8 +521,8 @@ class DrafterConfig:
     vocab_size: int | None = None
     max_position_embeddings: int | None = None
     output_multiplier: float = 1.0
-    final_logit_softcapping: float | None = None   # None: no softcap (the reference skips values <= 0 too)
-    input_embedding_scale: float = 1.0              # multiplies the target's embedding of the block tokens
+    final_logit_softcapping: float | None = None  # None: no softcap (the reference skips values <= 0 too)
+    input_embedding_scale: float = 1.0  # multiplies the target's embedding of the block tokens
 
     def __post_init__(self):
         self.validate()
@@ -464,13 +540,22 @@ class DrafterConfig:
         def bad(field, msg):
             raise ConfigError(f"{source}: {field}: {msg}")
 
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "num_target_layers"):
+        for name in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "num_target_layers",
+        ):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            bad("num_key_value_heads", f"{self.num_key_value_heads} does not divide num_attention_heads="
-                                       f"{self.num_attention_heads}")
+            bad(
+                "num_key_value_heads",
+                f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}",
+            )
         if self.head_dim % 2:
             bad("head_dim", f"must be even for rope, got {self.head_dim}")
         if self.block_size < 2:
@@ -490,19 +575,25 @@ class DrafterConfig:
 
     def check_target(self, target) -> None:
         """Raise ConfigError naming the field when this drafter cannot run on `target` (a ModelConfig)."""
+
         def bad(field, msg):
             raise ConfigError(f"drafter does not fit the target: {field}: {msg}")
 
         if self.hidden_size != target.hidden_size:
-            bad("hidden_size", f"drafter {self.hidden_size} != target {target.hidden_size} (the drafter consumes "
-                               f"target hidden states and the target's embedding)")
+            bad(
+                "hidden_size",
+                f"drafter {self.hidden_size} != target {target.hidden_size} (the drafter consumes "
+                f"target hidden states and the target's embedding)",
+            )
         if self.vocab_size is not None and self.vocab_size != target.vocab_size:
             bad("vocab_size", f"drafter {self.vocab_size} != target {target.vocab_size}")
         if self.mask_token_id >= target.vocab_size:
             bad("mask_token_id", f"{self.mask_token_id} is outside the target vocabulary [0, {target.vocab_size})")
         if max(self.target_layer_ids) >= target.num_hidden_layers:
-            bad("target_layer_ids", f"{list(self.target_layer_ids)} reach past the target's "
-                                    f"{target.num_hidden_layers} layers")
+            bad(
+                "target_layer_ids",
+                f"{list(self.target_layer_ids)} reach past the target's {target.num_hidden_layers} layers",
+            )
 
     # ---- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -540,8 +631,9 @@ class DrafterConfig:
         layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
         if layer_ids is None:
             layer_ids = build_target_layer_ids(num_target, num_layers)
-        elif not isinstance(layer_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
-                                                        for i in layer_ids):
+        elif not isinstance(layer_ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in layer_ids
+        ):
             bad("target_layer_ids", f"expected a list of integers, got {layer_ids!r}")
         heads = get("num_attention_heads", int)
         softcap = get("final_logit_softcapping", float, None, in_dflash=True)
@@ -575,12 +667,22 @@ class DrafterConfig:
         if self.input_embedding_scale != 1.0:
             dflash["input_embedding_scale"] = self.input_embedding_scale
         out = dict(
-            architectures=[DRAFTER_ARCHITECTURE], model_type="qwen3", hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, hidden_act="silu", attention_bias=False, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope.theta, num_target_layers=self.num_target_layers, block_size=self.block_size,
-            tie_word_embeddings=False, dflash_config=dflash,
+            architectures=[DRAFTER_ARCHITECTURE],
+            model_type="qwen3",
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act="silu",
+            attention_bias=False,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope.theta,
+            num_target_layers=self.num_target_layers,
+            block_size=self.block_size,
+            tie_word_embeddings=False,
+            dflash_config=dflash,
         )
         if self.rope.kind != "default":
             out["rope_scaling"] = self.rope.to_hf_scaling()
@@ -604,8 +706,11 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 def _refuse_unsupported(raw: dict[str, Any], dflash: dict[str, Any], bad) -> None:
     archs = raw.get("architectures") or [DRAFTER_ARCHITECTURE]
     if any(a != DRAFTER_ARCHITECTURE for a in archs):
-        bad("architectures", f"{archs}: only {DRAFTER_ARCHITECTURE} is implemented (DFlash2DraftModel adds "
-                             f"causal convs and a candidate selector)")
+        bad(
+            "architectures",
+            f"{archs}: only {DRAFTER_ARCHITECTURE} is implemented (DFlash2DraftModel adds "
+            f"causal convs and a candidate selector)",
+        )
     for key in _DFLASH2_FIELDS:
         if key in raw or key in dflash:
             bad(key, "DFlash2 (causal convs + candidate selector) is not implemented")
@@ -642,8 +747,7 @@ def _drafter_rope(raw: dict[str, Any], bad) -> DrafterRope:
     if kind != "yarn":
         bad(field, f"rope type {kind!r} is not supported (only default or 'yarn')")
     max_pos = raw.get("max_position_embeddings")
-    original = raw.get("original_max_position_embeddings",
-                       params.get("original_max_position_embeddings", max_pos))
+    original = raw.get("original_max_position_embeddings", params.get("original_max_position_embeddings", max_pos))
     factor = params.get("factor")
     if original is None or (factor is None and max_pos is None):
         bad(field, "yarn needs original_max_position_embeddings and factor (or max_position_embeddings)")
@@ -651,11 +755,21 @@ def _drafter_rope(raw: dict[str, Any], bad) -> DrafterRope:
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-                            if mscale and mscale_all_dim else yarn_mscale(factor))
+        attention_factor = (
+            yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+            if mscale and mscale_all_dim
+            else yarn_mscale(factor)
+        )
     truncate = params.get("truncate", True)
     if not isinstance(truncate, bool):
         bad(f"{field}.truncate", f"expected true/false, got {truncate!r}")
-    return DrafterRope(theta=float(theta), kind="yarn", factor=factor, original_max_position_embeddings=int(original),
-                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                       truncate=truncate, attention_factor=float(attention_factor))
+    return DrafterRope(
+        theta=float(theta),
+        kind="yarn",
+        factor=factor,
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=truncate,
+        attention_factor=float(attention_factor),
+    )

@@ -16,6 +16,7 @@ Rules shared bit for bit with `pallas_kernels.tree_build` (so trees match node f
   * A candidate scoring -inf (a zero-probability token) is never pushed; the heap may run dry before B
     nodes, and the tail of every output is padded with -1.
 """
+
 import heapq
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class Tree:
     and its ancestors); num_nodes: nodes built (<= B); entries past it are -1 (padded rows see only
     themselves).
     """
+
     tokens: np.ndarray
     depths: np.ndarray
     parents: np.ndarray
@@ -57,7 +59,7 @@ def topk_logprobs(draft_logits, k):
     ids = np.empty((num_rows, k), np.int32)
     for row, (x, kth) in enumerate(zip(logits, kth_largest)):
         above = np.flatnonzero(x > kth)
-        chosen = np.concatenate([above, np.flatnonzero(x == kth)[:k - above.size]])
+        chosen = np.concatenate([above, np.flatnonzero(x == kth)[: k - above.size]])
         ids[row] = chosen[np.lexsort((chosen, -x[chosen]))]
     x64 = logits.astype(np.float64)
     row_max = x64.max(axis=-1, keepdims=True)
@@ -133,8 +135,7 @@ def follow_tree(tokens, parents, post):
     tokens [B], parents [B+1], post [B+1] (target's token per node, row 0 = root) ->
     (path: accepted node indices starting with 0, bonus: post at the last accepted node).
     """
-    child_of = {(int(p), int(t)): i for i, (p, t) in enumerate(zip(parents[1:], tokens), start=1)
-                if p >= 0}
+    child_of = {(int(p), int(t)): i for i, (p, t) in enumerate(zip(parents[1:], tokens), start=1) if p >= 0}
     path = [0]
     while (path[-1], int(post[path[-1]])) in child_of:
         path.append(child_of[(path[-1], int(post[path[-1]]))])

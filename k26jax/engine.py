@@ -4,6 +4,7 @@ One step is one jitted XLA program with donated state and no host round trip:
   draft -> top-K -> tree_build -> target verify over the tree -> per-node choice -> tree_accept -> commit.
 AR is the degenerate tree {root}; chain DFlash is top-1 per depth (K = 1, B = L).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,9 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from k26jax import cache as kc, ops
+from k26jax import cache as kc
+from k26jax import ops
 from k26jax.config import ModelConfig
-from k26jax.model import drafter as drafter_lib, target
+from k26jax.model import drafter as drafter_lib
+from k26jax.model import target
 from pallas_kernels.tree_build import draft_topk, visibility_from_parents
 
 METHODS = ("ddtree", "chain", "ar")
@@ -58,15 +61,15 @@ class StepConfig:
 @struct.dataclass
 class DecodeState:
     cache: kc.KVCache
-    ctx_k: jax.Array        # drafter context K [Ld, C, kv_heads, S, head_dim] (empty for AR)
+    ctx_k: jax.Array  # drafter context K [Ld, C, kv_heads, S, head_dim] (empty for AR)
     ctx_v: jax.Array
-    ctx_len: jax.Array      # [C]
-    root: jax.Array         # [C] last emitted token, no KV yet: the next tree's root
-    out: jax.Array          # [C, max_new + L + 1] emitted tokens
-    num_out: jax.Array      # [C]
-    done: jax.Array         # [C] bool
+    ctx_len: jax.Array  # [C]
+    root: jax.Array  # [C] last emitted token, no KV yet: the next tree's root
+    out: jax.Array  # [C, max_new + L + 1] emitted tokens
+    num_out: jax.Array  # [C]
+    done: jax.Array  # [C] bool
     key: jax.Array
-    step: jax.Array         # scalar int32
+    step: jax.Array  # scalar int32
     accept_lens: jax.Array  # [max_steps, C] accept length per step, 0 when inactive
 
 
@@ -103,8 +106,9 @@ def _record(state: DecodeState, new_tokens_CP, n_new_C, sc: StepConfig):
 
 
 # ---- prefill ---------------------------------------------------------------------------------------------
-def prefill(params, dparams, ids_CT, lengths_C, key, *, cfg: ModelConfig, dcfg, sc: StepConfig, impls: ops.Impls,
-            max_len: int) -> DecodeState:
+def prefill(
+    params, dparams, ids_CT, lengths_C, key, *, cfg: ModelConfig, dcfg, sc: StepConfig, impls: ops.Impls, max_len: int
+) -> DecodeState:
     """Prompts (right-padded) -> state holding their cache, drafter context and the first token."""
     C, T = ids_CT.shape
     layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None else ()
@@ -114,17 +118,26 @@ def prefill(params, dparams, ids_CT, lengths_C, key, *, cfg: ModelConfig, dcfg, 
     key, sub = jax.random.split(key)
     first = choose(last[:, None], sub, sc)[:, 0]
     if dcfg is not None and sc.method != "ar":
-        ctx_feats = jnp.concatenate(list(feats), axis=-1)                          # [C, T, n*D]
+        ctx_feats = jnp.concatenate(list(feats), axis=-1)  # [C, T, n*D]
         ctx_k, ctx_v = drafter_lib.context_kv(dparams, dcfg, ctx_feats, jnp.broadcast_to(jnp.arange(T), (C, T)))
         pad = [(0, 0), (0, 0), (0, 0), (0, max_len - T), (0, 0)]
         ctx_k, ctx_v = jnp.pad(ctx_k, pad), jnp.pad(ctx_v, pad)
     else:
         ctx_k = ctx_v = jnp.zeros((0, C, 0, 0, 0), rows.dtype)
     L = sc.depth
-    state = DecodeState(cache=cache, ctx_k=ctx_k, ctx_v=ctx_v, ctx_len=lengths_C, root=first,
-                        out=jnp.zeros((C, sc.max_new_tokens + L + 1), jnp.int32), num_out=jnp.zeros(C, jnp.int32),
-                        done=jnp.zeros(C, bool), key=key, step=jnp.zeros((), jnp.int32),
-                        accept_lens=jnp.zeros((max_steps(sc), C), jnp.int32))
+    state = DecodeState(
+        cache=cache,
+        ctx_k=ctx_k,
+        ctx_v=ctx_v,
+        ctx_len=lengths_C,
+        root=first,
+        out=jnp.zeros((C, sc.max_new_tokens + L + 1), jnp.int32),
+        num_out=jnp.zeros(C, jnp.int32),
+        done=jnp.zeros(C, bool),
+        key=key,
+        step=jnp.zeros((), jnp.int32),
+        accept_lens=jnp.zeros((max_steps(sc), C), jnp.int32),
+    )
     out, num_out, done = _record(state, first[:, None], jnp.ones(C, jnp.int32), sc)
     return state.replace(out=out, num_out=num_out, done=done)
 
@@ -132,8 +145,17 @@ def prefill(params, dparams, ids_CT, lengths_C, key, *, cfg: ModelConfig, dcfg, 
 # ---- one step --------------------------------------------------------------------------------------------
 def dflash_propose(params, dparams, state: DecodeState, *, cfg, dcfg, sc):
     """Draft logits [C, L, V] from the DFlash drafter over its context cache."""
-    return drafter_lib.draft_block(dparams, dcfg, params["embed"], params["lm_head"], state.ctx_k, state.ctx_v,
-                                   state.ctx_len, state.root, state.cache.lengths)
+    return drafter_lib.draft_block(
+        dparams,
+        dcfg,
+        params["embed"],
+        params["lm_head"],
+        state.ctx_k,
+        state.ctx_v,
+        state.ctx_len,
+        state.root,
+        state.cache.lengths,
+    )
 
 
 def build_tree(draft_logits_CLV, *, sc: StepConfig, impls: ops.Impls):
@@ -145,8 +167,18 @@ def build_tree(draft_logits_CLV, *, sc: StepConfig, impls: ops.Impls):
     return ops.tree_build(logq, ids, budgets, max_budget=B, impls=impls)
 
 
-def step(params, dparams, state: DecodeState, *, cfg: ModelConfig, dcfg, sc: StepConfig, impls: ops.Impls,
-         propose: Callable | None = None, accept: Callable | None = None) -> DecodeState:
+def step(
+    params,
+    dparams,
+    state: DecodeState,
+    *,
+    cfg: ModelConfig,
+    dcfg,
+    sc: StepConfig,
+    impls: ops.Impls,
+    propose: Callable | None = None,
+    accept: Callable | None = None,
+) -> DecodeState:
     """One speculative step.
 
     propose(params, dparams, state) -> draft logits [C, L, V] (default: the DFlash drafter);
@@ -162,14 +194,16 @@ def step(params, dparams, state: DecodeState, *, cfg: ModelConfig, dcfg, sc: Ste
     else:
         propose = propose or functools.partial(dflash_propose, cfg=cfg, dcfg=dcfg, sc=sc)
         tokens, depths, parents, num_nodes = build_tree(propose(params, dparams, state), sc=sc, impls=impls)
-    ids = jnp.concatenate([state.root[:, None], jnp.maximum(tokens, 0)], axis=1)           # [C, B+1]
+    ids = jnp.concatenate([state.root[:, None], jnp.maximum(tokens, 0)], axis=1)  # [C, B+1]
     positions = state.cache.lengths[:, None] + jnp.concatenate(
-        [jnp.zeros((C, 1), jnp.int32), jnp.maximum(depths, 0)], axis=1)
+        [jnp.zeros((C, 1), jnp.int32), jnp.maximum(depths, 0)], axis=1
+    )
     visibility = visibility_from_parents(parents, max_depth=L)
     layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None and L else ()
-    logits, tail_rows, feats = target.forward_tail(params, cfg, ids, positions, state.cache.rows,
-                                                   state.cache.lengths, visibility, impls, layer_ids)
-    post = choose(logits, k_choice, sc)                                                     # [C, B+1]
+    logits, tail_rows, feats = target.forward_tail(
+        params, cfg, ids, positions, state.cache.rows, state.cache.lengths, visibility, impls, layer_ids
+    )
+    post = choose(logits, k_choice, sc)  # [C, B+1]
     if sc.method == "ar":
         path, accept_len, bonus = jnp.zeros((C, 1), jnp.int32), jnp.ones(C, jnp.int32), post[:, 0]
     else:
@@ -178,35 +212,47 @@ def step(params, dparams, state: DecodeState, *, cfg: ModelConfig, dcfg, sc: Ste
     return commit(state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc)
 
 
-def commit(state: DecodeState, key, ids_CN, tail_rows, feats, path_CP, accept_len_C, bonus_C, dparams, *, dcfg,
-           sc: StepConfig) -> DecodeState:
+def commit(
+    state: DecodeState, key, ids_CN, tail_rows, feats, path_CP, accept_len_C, bonus_C, dparams, *, dcfg, sc: StepConfig
+) -> DecodeState:
     """Scatter accepted rows into the caches, emit path tokens 1.. and the bonus, advance the lengths."""
     active = ~state.done
     n = jnp.where(active, accept_len_C, 0)
     cache = kc.commit_tail(state.cache, tail_rows, path_CP, accept_len_C, active)
-    path_tokens = kc.gather_path(ids_CN, path_CP)                                          # [C, L+1]
+    path_tokens = kc.gather_path(ids_CN, path_CP)  # [C, L+1]
     P = path_CP.shape[1]
     j = jnp.arange(P)[None]
     emitted = jnp.where(j + 1 < accept_len_C[:, None], jnp.roll(path_tokens, -1, axis=1), bonus_C[:, None])
     out, num_out, done = _record(state, emitted, accept_len_C, sc)
     ctx_k, ctx_v, ctx_len = state.ctx_k, state.ctx_v, state.ctx_len
     if feats.shape[0] and ctx_k.shape[0]:
-        path_feats = kc.gather_path(jnp.concatenate(list(feats), axis=-1), path_CP)         # [C, P, n*D]
+        path_feats = kc.gather_path(jnp.concatenate(list(feats), axis=-1), path_CP)  # [C, P, n*D]
         new_k, new_v = drafter_lib.context_kv(dparams, dcfg, path_feats, state.cache.lengths[:, None] + j)
         c = jnp.broadcast_to(jnp.arange(path_CP.shape[0])[:, None], path_CP.shape)
         pos = jnp.where(j < n[:, None], ctx_len[:, None] + j, ctx_k.shape[3])
-        rows_first = lambda x: x.transpose(1, 3, 0, 2, 4)        # [n, C, Hkv, P, K] -> the index's [C, P, n, Hkv, K]
+        rows_first = lambda x: x.transpose(1, 3, 0, 2, 4)  # [n, C, Hkv, P, K] -> the index's [C, P, n, Hkv, K]
         ctx_k = ctx_k.at[:, c, :, pos].set(rows_first(new_k).astype(ctx_k.dtype), mode="drop")
         ctx_v = ctx_v.at[:, c, :, pos].set(rows_first(new_v).astype(ctx_v.dtype), mode="drop")
         ctx_len = ctx_len + n
     accept_lens = state.accept_lens.at[state.step].set(n, mode="drop")
-    return state.replace(cache=cache, ctx_k=ctx_k, ctx_v=ctx_v, ctx_len=ctx_len,
-                         root=jnp.where(active, bonus_C, state.root), out=out, num_out=num_out, done=done,
-                         key=key, step=state.step + 1, accept_lens=accept_lens)
+    return state.replace(
+        cache=cache,
+        ctx_k=ctx_k,
+        ctx_v=ctx_v,
+        ctx_len=ctx_len,
+        root=jnp.where(active, bonus_C, state.root),
+        out=out,
+        num_out=num_out,
+        done=done,
+        key=key,
+        step=state.step + 1,
+        accept_lens=accept_lens,
+    )
 
 
-def decode_loop(params, dparams, state: DecodeState, *, cfg, dcfg, sc: StepConfig, impls: ops.Impls,
-                propose: Callable | None = None) -> DecodeState:
+def decode_loop(
+    params, dparams, state: DecodeState, *, cfg, dcfg, sc: StepConfig, impls: ops.Impls, propose: Callable | None = None
+) -> DecodeState:
     """All steps in one lax.while_loop, until every sequence is done."""
     body = functools.partial(step, params, dparams, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls, propose=propose)
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.step < max_steps(sc)), body, state)

@@ -4,6 +4,7 @@ Each op picks `impl="pallas"` (Pallas-Triton, for the GPU) or `impl="reference"`
 mesh the Pallas forms run under shard_map (heads or experts split over "model"); the reference forms are left to
 XLA's SPMD partitioner. No math lives here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,9 @@ import dataclasses
 import jax
 from jax.sharding import Mesh
 
-from pallas_kernels import int4_moe_gemm, tree_accept as tree_accept_kernel, tree_build as tree_build_kernel
+from pallas_kernels import int4_moe_gemm
+from pallas_kernels import tree_accept as tree_accept_kernel
+from pallas_kernels import tree_build as tree_build_kernel
 from pallas_kernels import tree_mla_attention as mla_kernel
 
 IMPLS = ("pallas", "reference")
@@ -66,8 +69,9 @@ def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
     if impls.moe == "reference":
         return int4_moe_gemm.fused_moe_reference(*args, layer=layer)
     if impls.sharded:
-        return int4_moe_gemm.fused_moe_sharded(impls.mesh, mode=impls.expert_mode, impl="pallas",
-                                               interpret=impls.interpret, stacked=True)(*args, layer)
+        return int4_moe_gemm.fused_moe_sharded(
+            impls.mesh, mode=impls.expert_mode, impl="pallas", interpret=impls.interpret, stacked=True
+        )(*args, layer)
     return int4_moe_gemm.fused_moe(*args, interpret=impls.interpret, layer=layer)
 
 
@@ -83,7 +87,8 @@ def mla_attention(q_lat, q_rope, cache, prefix_len, tail_rows, visibility, *, sc
         return mla_kernel.tree_mla_attention_reference(*args, scale=scale, layer=layer)
     if impls.sharded:
         return mla_kernel.tree_mla_attention_sharded(impls.mesh, impl="pallas", interpret=impls.interpret)(
-            *args, scale=scale, layer=layer)
+            *args, scale=scale, layer=layer
+        )
     return mla_kernel.tree_mla_attention(*args, scale=scale, layer=layer, interpret=impls.interpret)
 
 
@@ -91,13 +96,13 @@ def tree_build(logq, ids, budgets, *, max_budget: int, impls: Impls, **knobs):
     """Best-first draft tree from per-depth top-K. See pallas_kernels/tree_build.py."""
     if impls.tree_build == "reference":
         return tree_build_kernel.tree_build_reference(logq, ids, budgets, max_budget=max_budget, **knobs)
-    return tree_build_kernel.tree_build(logq, ids, budgets, max_budget=max_budget, interpret=impls.interpret,
-                                        **knobs)
+    return tree_build_kernel.tree_build(logq, ids, budgets, max_budget=max_budget, interpret=impls.interpret, **knobs)
 
 
 def tree_accept(tokens, parents, post, num_nodes, *, max_depth: int, impls: Impls):
     """Longest path whose tokens match the target's choices. See pallas_kernels/tree_accept.py."""
     if impls.tree_accept == "reference":
         return tree_accept_kernel.tree_accept_reference(tokens, parents, post, num_nodes, max_depth=max_depth)
-    return tree_accept_kernel.tree_accept(tokens, parents, post, num_nodes, max_depth=max_depth,
-                                          interpret=impls.interpret)
+    return tree_accept_kernel.tree_accept(
+        tokens, parents, post, num_nodes, max_depth=max_depth, interpret=impls.interpret
+    )

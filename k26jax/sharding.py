@@ -5,11 +5,13 @@ embedding and lm_head over the vocabulary, dense MLPs over their intermediate di
 switch: "ep" puts E/n whole experts on each device, "tp" splits every expert's intermediate dim. The latent KV
 cache is replicated over "model" (MLA under head parallelism needs every head to see the whole latent).
 """
+
 from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from k26jax.config import ModelConfig
 
@@ -28,8 +30,10 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
 
 def _attn_specs(cfg: ModelConfig) -> dict:
     specs = {
-        "kv_a": P(None, None, None), "kv_a_norm": P(None, None),
-        "w_uk": P(None, MODEL, None, None), "w_uv": P(None, MODEL, None, None),
+        "kv_a": P(None, None, None),
+        "kv_a_norm": P(None, None),
+        "w_uk": P(None, MODEL, None, None),
+        "w_uv": P(None, MODEL, None, None),
         "o": P(None, MODEL, None, None),
     }
     if cfg.q_lora_rank is None:
@@ -46,11 +50,19 @@ def _mlp_specs() -> dict:
 def _expert_specs(expert_mode: str) -> dict:
     if expert_mode == "ep":
         e = P(None, MODEL, None, None, None)
-        return {"w13_packed": e, "w13_scale": e, "w2_packed": P(None, MODEL, None, None),
-                "w2_scale": P(None, MODEL, None, None)}
+        return {
+            "w13_packed": e,
+            "w13_scale": e,
+            "w2_packed": P(None, MODEL, None, None),
+            "w2_scale": P(None, MODEL, None, None),
+        }
     i = P(None, None, None, None, MODEL)
-    return {"w13_packed": i, "w13_scale": i, "w2_packed": P(None, None, MODEL, None),
-            "w2_scale": P(None, None, MODEL, None)}
+    return {
+        "w13_packed": i,
+        "w13_scale": i,
+        "w2_packed": P(None, None, MODEL, None),
+        "w2_scale": P(None, None, MODEL, None),
+    }
 
 
 def param_partition_specs(cfg: ModelConfig, expert_mode: str = "ep") -> dict:
@@ -89,5 +101,9 @@ def fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
 
 def shardings_for(tree_of_arrays, specs, mesh: Mesh):
     """NamedShardings for a tree of arrays (or ShapeDtypeStructs), fitted to the mesh."""
-    return jax.tree.map(lambda s, x: NamedSharding(mesh, fit_spec(s, x.shape, mesh)), specs, tree_of_arrays,
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda s, x: NamedSharding(mesh, fit_spec(s, x.shape, mesh)),
+        specs,
+        tree_of_arrays,
+        is_leaf=lambda x: isinstance(x, P),
+    )

@@ -1,4 +1,5 @@
 """The K2 tiktoken tokenizer read from a checkpoint dir: `tiktoken.model`, special tokens, chat template."""
+
 from __future__ import annotations
 
 import json
@@ -9,22 +10,25 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
 # Kimi's pre-tokenizer regex (tokenization_kimi.py): Han runs, cased words, 1-3 digit numbers, punctuation.
-KIMI_PAT_STR = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+KIMI_PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
 
 
 class Tokenizer:
@@ -38,8 +42,12 @@ class Tokenizer:
         with open(config_file) as f:
             config = json.load(f)
         special = {v["content"]: int(k) for k, v in config.get("added_tokens_decoder", {}).items()}
-        self.encoding = tiktoken.Encoding(name=os.path.basename(os.path.abspath(ckpt_dir)), pat_str=KIMI_PAT_STR,
-                                          mergeable_ranks=ranks, special_tokens=special)
+        self.encoding = tiktoken.Encoding(
+            name=os.path.basename(os.path.abspath(ckpt_dir)),
+            pat_str=KIMI_PAT_STR,
+            mergeable_ranks=ranks,
+            special_tokens=special,
+        )
         self.special = special
         self.chat_template = jinja2.Environment().from_string(config.get("chat_template") or DEFAULT_CHAT_TEMPLATE)
 

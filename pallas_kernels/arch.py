@@ -1,6 +1,7 @@
 """Which kernels the target GPU can run. The Mosaic GPU kernels (`int4_moe_mosaic`, `mla_prefix_mosaic`) are built on
 Hopper's wgmma, which compute capability 9.x has and Ampere, Ada and Blackwell do not; elsewhere the wrappers keep
 to their Pallas-Triton kernels."""
+
 import jax
 
 

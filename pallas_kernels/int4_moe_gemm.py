@@ -7,6 +7,7 @@ Each int32 word holds 8 offset-binary nibbles along K, LSB first: input row 8j+k
 and its value is q = nibble - 8 in [-8, 7]. The dequantized weight is bf16(q * scale), rounded once as
 compressed-tensors does, then cast to the activation dtype.
 """
+
 import dataclasses
 import functools
 import math
@@ -62,7 +63,8 @@ def check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_s
         raise ValueError(f"topk_weights shape {topk_weights.shape} != topk_ids shape {topk_ids.shape}")
     if w13_packed.ndim != 4 or w13_packed.shape[1:3] != (d // PACK, 2) or w13_packed.dtype != jnp.int32:
         raise ValueError(
-            f"w13_packed must be int32 [E, D/8={d // PACK}, 2, I], got {w13_packed.shape} {w13_packed.dtype}")
+            f"w13_packed must be int32 [E, D/8={d // PACK}, 2, I], got {w13_packed.shape} {w13_packed.dtype}"
+        )
     e, _, _, i = w13_packed.shape
     if d % GROUP or i % GROUP:
         raise ValueError(f"D={d} and I={i} must be multiples of {GROUP}")
@@ -70,7 +72,8 @@ def check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_s
         raise ValueError(f"w13_scale must be [E, D/32, 2, I]={(e, d // GROUP, 2, i)}, got {w13_scale.shape}")
     if w2_packed.shape != (e, i // PACK, d) or w2_packed.dtype != jnp.int32:
         raise ValueError(
-            f"w2_packed must be int32 [E, I/8, D]={(e, i // PACK, d)}, got {w2_packed.shape} {w2_packed.dtype}")
+            f"w2_packed must be int32 [E, I/8, D]={(e, i // PACK, d)}, got {w2_packed.shape} {w2_packed.dtype}"
+        )
     if w2_scale.shape != (e, i // GROUP, d):
         raise ValueError(f"w2_scale must be [E, I/32, D]={(e, i // GROUP, d)}, got {w2_scale.shape}")
     return e, d, i
@@ -95,8 +98,19 @@ def flatten_layers(weights, layer):
     return tuple(w.reshape((num_layers * per_layer,) + w.shape[2:]) for w in weights), per_layer, layer * per_layer
 
 
-def fused_moe_reference(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *,
-                        expert_offset=0, out_dtype=None, layer=None):
+def fused_moe_reference(
+    x,
+    topk_ids,
+    topk_weights,
+    w13_packed,
+    w13_scale,
+    w2_packed,
+    w2_scale,
+    *,
+    expert_offset=0,
+    out_dtype=None,
+    layer=None,
+):
     """Plain-jnp fused MoE. x [M, D], topk_ids [M, k] int, topk_weights [M, k] -> y [M, D] (out_dtype or x.dtype).
 
     y[m] = sum_j topk_weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = topk_ids[m, j] - expert_offset;
@@ -168,6 +182,7 @@ class Tiling:
     n_fastest: launch order puts the N tiles of one row block next to each other, so programs running
         together stream neighbouring columns of one expert; otherwise the row blocks vary fastest.
     """
+
     block_m: int = 16
     block_n_gate_up: int = 64
     block_n_down: int = 128
@@ -225,7 +240,8 @@ def fit_tiling(tiling, d, i):
         block_n_down=_fit_block(tiling.block_n_down, d, 16, "D (hidden size)"),
         block_kw_gate_up=_fit_block(tiling.block_kw_gate_up, d // PACK, 16, "D/8 (packed hidden rows)"),
         block_kw_down=block_kw_down,
-        split_k_down=math.gcd(tiling.split_k_down, i // PACK // block_kw_down))
+        split_k_down=math.gcd(tiling.split_k_down, i // PACK // block_kw_down),
+    )
 
 
 class Routing(NamedTuple):
@@ -234,6 +250,7 @@ class Routing(NamedTuple):
     block_expert [num_blocks] int32: local expert of each row block, -1 for unused trailing blocks.
     slot_pair [num_blocks * block_m] int32: flat pair index (token * k + j) of each row, -1 for padding.
     """
+
     block_expert: jax.Array
     slot_pair: jax.Array
 
@@ -300,8 +317,11 @@ def sort_routing(local_ids, num_experts, block_m):
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
     counts, rank = expert_ranks(local_ids, num_experts)
     slot = pair_rows(local_ids, group_starts(counts, block_m), rank, num_blocks * block_m)
-    slot_pair = jnp.full((num_blocks * block_m,), -1, jnp.int32).at[slot].set(
-        jnp.arange(num_pairs, dtype=jnp.int32), mode="drop")
+    slot_pair = (
+        jnp.full((num_blocks * block_m,), -1, jnp.int32)
+        .at[slot]
+        .set(jnp.arange(num_pairs, dtype=jnp.int32), mode="drop")
+    )
     return Routing(block_experts(counts, block_m, num_blocks), slot_pair)
 
 
@@ -335,8 +355,12 @@ def _dequantize_nibble(packed, scale, k, dtype, dequant):
     bf16(q * scale) of nibble k in `dtype`, i.e. the weights of input rows 8 * word + k."""
     if dequant == "asm":  # one asm instance handles two words (pack=2)
         [w] = plgpu.elementwise_inline_asm(
-            _dequant_asm(k), args=[packed, scale], constraints="=r,r,r,r", pack=2,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])
+            _dequant_asm(k),
+            args=[packed, scale],
+            constraints="=r,r,r,r",
+            pack=2,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)],
+        )
         return w.astype(dtype)
     nibble_bits = ((packed >> (4 * k)) & 0xF) | _F32_TWO_POW_23
     w = (jax.lax.bitcast_convert_type(nibble_bits, jnp.float32) - float(2**23 + 8)) * scale  # exact product
@@ -385,8 +409,7 @@ def _grid(num_blocks, num_n_tiles, n_fastest, *rest):
     return (num_blocks, num_n_tiles, *rest), lambda: (pl.program_id(0), pl.program_id(1))
 
 
-def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block_kw, dequant, program_ids,
-                    swap_ab):
+def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block_kw, dequant, program_ids, swap_ab):
     """Program (row block b, I tile n): h[rows of b, cols of n] = silu(x @ gate) * up, fp32 accumulation.
 
     refs: route refs, x [M, D] nibble-major, w13_packed [E, D/8, 2, I], w13_scale [E, D/32, 2, I]
@@ -411,12 +434,15 @@ def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block
             gate_scale = _scale_for(_repeat_rows(s_ref[expert, groups, 0, cols]), dequant)
             up_scale = _scale_for(_repeat_rows(s_ref[expert, groups, 1, cols]), dequant)
             for k in range(PACK):  # one nibble's tiles live at a time
-                x_k = plgpu.load(x_ref.at[token[:, None], (k * x_ref.shape[1] // PACK + words)[None, :]],
-                                 mask=row_ok[:, None], other=0)
-                acc_gate += _weight_dot(x_k, _dequantize_nibble(gate_packed, gate_scale, k, x_ref.dtype, dequant),
-                                        swap_ab)
-                acc_up += _weight_dot(x_k, _dequantize_nibble(up_packed, up_scale, k, x_ref.dtype, dequant),
-                                      swap_ab)
+                x_k = plgpu.load(
+                    x_ref.at[token[:, None], (k * x_ref.shape[1] // PACK + words)[None, :]],
+                    mask=row_ok[:, None],
+                    other=0,
+                )
+                acc_gate += _weight_dot(
+                    x_k, _dequantize_nibble(gate_packed, gate_scale, k, x_ref.dtype, dequant), swap_ab
+                )
+                acc_up += _weight_dot(x_k, _dequantize_nibble(up_packed, up_scale, k, x_ref.dtype, dequant), swap_ab)
             return acc_gate, acc_up
 
         zeros = _accumulator(block_m, block_n, swap_ab)
@@ -428,8 +454,9 @@ def _gate_up_kernel(*refs, per_pair, num_experts, top_k, block_m, block_n, block
         plgpu.store(h_ref.at[slots[:, None], h_cols[None, :]], h.astype(h_ref.dtype), mask=row_ok[:, None])
 
 
-def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps_per_split, dequant, program_ids,
-                 swap_ab):
+def _down_kernel(
+    *refs, per_pair, num_experts, block_m, block_n, block_kw, steps_per_split, dequant, program_ids, swap_ab
+):
     """Program (row block b, D tile n, K split s): y[s, pairs of b, cols of n] = weight * (h @ down), fp32.
 
     refs: route refs, topk_weights [P] f32, h [rows, I] nibble-major, w2_packed [E, I/8, D], w2_scale [E, I/32, D]
@@ -450,8 +477,11 @@ def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps
             packed = w_ref[expert, pl.ds(step * block_kw, block_kw), cols]
             scale = _scale_for(_repeat_rows(s_ref[expert, _group_rows(step, block_kw), cols]), dequant)
             for k in range(PACK):
-                h_k = plgpu.load(h_ref.at[slots[:, None], (k * h_ref.shape[1] // PACK + words)[None, :]],
-                                 mask=row_ok[:, None], other=0)
+                h_k = plgpu.load(
+                    h_ref.at[slots[:, None], (k * h_ref.shape[1] // PACK + words)[None, :]],
+                    mask=row_ok[:, None],
+                    other=0,
+                )
                 acc += _weight_dot(h_k, _dequantize_nibble(packed, scale, k, h_ref.dtype, dequant), swap_ab)
             return acc
 
@@ -463,12 +493,25 @@ def _down_kernel(*refs, per_pair, num_experts, block_m, block_n, block_kw, steps
         # interpret mode's read-modify-write of a masked scatter cannot clobber a real row.
         out_rows = jnp.where(row_ok, pair, y_ref.shape[1] - block_m + jnp.arange(block_m))
         col_ids = n * block_n + jnp.arange(block_n)
-        plgpu.store(y_ref.at[split, out_rows[:, None], col_ids[None, :]], acc * weight[:, None],
-                    mask=row_ok[:, None])
+        plgpu.store(y_ref.at[split, out_rows[:, None], col_ids[None, :]], acc * weight[:, None], mask=row_ok[:, None])
 
 
-def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset=0,
-              tiling=None, out_dtype=None, pair_rows_fp32=False, interpret=False, layer=None):
+def fused_moe(
+    x,
+    topk_ids,
+    topk_weights,
+    w13_packed,
+    w13_scale,
+    w2_packed,
+    w2_scale,
+    *,
+    expert_offset=0,
+    tiling=None,
+    out_dtype=None,
+    pair_rows_fp32=False,
+    interpret=False,
+    layer=None,
+):
     """Pallas-Triton fused MoE with the contract of `fused_moe_reference`.
 
     Routing metadata in XLA (pairs sorted by expert and padded to block_m rows, or one pair per block when
@@ -483,12 +526,25 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
     weighted top-k sum (as transformers does) unless this is set (partial sums over a split I); the Triton
     kernels keep fp32 rows either way.
     """
-    if tiling is None and (block_m := mosaic_block_m(topk_ids.shape[0], x.dtype, x.shape[-1], w13_packed.shape[-1],
-                                                     interpret)):
+    if tiling is None and (
+        block_m := mosaic_block_m(topk_ids.shape[0], x.dtype, x.shape[-1], w13_packed.shape[-1], interpret)
+    ):
         from pallas_kernels import int4_moe_mosaic  # imports this module
-        return int4_moe_mosaic.fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
-                                                w2_scale, expert_offset=expert_offset, block_m=block_m,
-                                                out_dtype=out_dtype, pair_rows_fp32=pair_rows_fp32, layer=layer)
+
+        return int4_moe_mosaic.fused_moe_mosaic(
+            x,
+            topk_ids,
+            topk_weights,
+            w13_packed,
+            w13_scale,
+            w2_packed,
+            w2_scale,
+            expert_offset=expert_offset,
+            block_m=block_m,
+            out_dtype=out_dtype,
+            pair_rows_fp32=pair_rows_fp32,
+            layer=layer,
+        )
     weights, num_experts, stack_offset = flatten_layers((w13_packed, w13_scale, w2_packed, w2_scale), layer)
     w13_packed, w13_scale, w2_packed, w2_scale = weights
     check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
@@ -511,27 +567,48 @@ def fused_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sc
         num_blocks = route.block_expert.shape[0]
     if layer is not None:  # rows of this layer in the flattened stack; off-shard/padding stays -1
         route = tuple(jnp.where((r >= 0) & (r < num_experts), r + stack_offset, -1) for r in route[:1]) + route[1:]
-    common = dict(per_pair=tiling.per_pair, num_experts=w13_packed.shape[0], block_m=bm, dequant=tiling.dequant,
-                  swap_ab=tiling.swap_ab)
+    common = dict(
+        per_pair=tiling.per_pair,
+        num_experts=w13_packed.shape[0],
+        block_m=bm,
+        dequant=tiling.dequant,
+        swap_ab=tiling.swap_ab,
+    )
     params = plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
 
     grid, program_ids = _grid(num_blocks, i // tiling.block_n_gate_up, tiling.n_fastest)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, top_k=top_k, block_n=tiling.block_n_gate_up,
-                          block_kw=tiling.block_kw_gate_up, program_ids=program_ids, **common),
+        functools.partial(
+            _gate_up_kernel,
+            top_k=top_k,
+            block_n=tiling.block_n_gate_up,
+            block_kw=tiling.block_kw_gate_up,
+            program_ids=program_ids,
+            **common,
+        ),
         out_shape=jax.ShapeDtypeStruct((num_blocks * bm, i), x.dtype),
         grid=grid,
-        compiler_params=params, interpret=interpret, name="moe_gate_up",
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_gate_up",
     )(*route, to_nibble_major(x), w13_packed, w13_scale)
 
     steps = i // PACK // tiling.block_kw_down
     grid, program_ids = _grid(num_blocks, d // tiling.block_n_down, tiling.n_fastest, tiling.split_k_down)
     y_pairs = pl.pallas_call(
-        functools.partial(_down_kernel, block_n=tiling.block_n_down, block_kw=tiling.block_kw_down,
-                          steps_per_split=steps // tiling.split_k_down, program_ids=program_ids, **common),
+        functools.partial(
+            _down_kernel,
+            block_n=tiling.block_n_down,
+            block_kw=tiling.block_kw_down,
+            steps_per_split=steps // tiling.split_k_down,
+            program_ids=program_ids,
+            **common,
+        ),
         out_shape=jax.ShapeDtypeStruct((tiling.split_k_down, num_pairs + bm, d), jnp.float32),
         grid=grid,
-        compiler_params=params, interpret=interpret, name="moe_down",
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_down",
     )(*route, topk_weights.reshape(-1).astype(jnp.float32), h, w2_packed, w2_scale)
 
     on_shard = ((local_ids >= 0) & (local_ids < num_experts))[None, :, None]
@@ -575,12 +652,22 @@ def fused_moe_sharded(mesh, *, axis="model", mode="ep", impl="pallas", interpret
         offset = jax.lax.axis_index(axis) * experts_local if mode == "ep" else 0
         weights = (w13_packed, w13_scale, w2_packed, w2_scale)
         if impl == "pallas":
-            y = fused_moe(x, topk_ids, topk_weights, *weights, expert_offset=offset, tiling=tiling,
-                          out_dtype=jnp.float32, pair_rows_fp32=mode == "tp", interpret=interpret, layer=layer)
+            y = fused_moe(
+                x,
+                topk_ids,
+                topk_weights,
+                *weights,
+                expert_offset=offset,
+                tiling=tiling,
+                out_dtype=jnp.float32,
+                pair_rows_fp32=mode == "tp",
+                interpret=interpret,
+                layer=layer,
+            )
         else:
-            y = fused_moe_reference(x, topk_ids, topk_weights, *weights, expert_offset=offset,
-                                    out_dtype=jnp.float32, layer=layer)
+            y = fused_moe_reference(
+                x, topk_ids, topk_weights, *weights, expert_offset=offset, out_dtype=jnp.float32, layer=layer
+            )
         return jax.lax.psum(y, axis).astype(x.dtype)
 
-    return jax.shard_map(local_moe, mesh=mesh, in_specs=specs, out_specs=jax.sharding.PartitionSpec(),
-                         check_vma=False)
+    return jax.shard_map(local_moe, mesh=mesh, in_specs=specs, out_specs=jax.sharding.PartitionSpec(), check_vma=False)

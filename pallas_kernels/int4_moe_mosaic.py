@@ -35,6 +35,7 @@ pair's expert output rounded once, as transformers' DeepseekV3MoE rounds `expert
 sums over a split intermediate dim) measured 16% slower in down at M = 1024: twice the bytes, and a staging
 buffer that leaves room for 3 pipeline stages instead of 4.
 """
+
 import functools
 import math
 from typing import NamedTuple
@@ -45,13 +46,21 @@ import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.int4_moe_gemm import (PACK, block_experts, check_args, expert_ranks, flatten_layers, group_starts,
-                                          max_blocks, pair_rows)
+from pallas_kernels.int4_moe_gemm import (
+    PACK,
+    block_experts,
+    check_args,
+    expert_ranks,
+    flatten_layers,
+    group_starts,
+    max_blocks,
+    pair_rows,
+)
 from pallas_kernels.mla_prefix_mosaic import tiled_smem
 
 CHUNK = 64  # inputs a wgmma call (one 128-byte swizzle row of bf16)
@@ -111,8 +120,10 @@ def _dequant_chunk(words, scales_ref, chunk, first_col):
     [8 groups, n] (plain shared memory) of the stage, columns first_col + [0, 64) this warpgroup's
     -> bf16 [64, 64] WGMMA A fragment in P1 order. Both words of a thread lie in group 2 chunk + q // 2."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
-                       return_type=plgpu.ShapeDtypeStruct((64, CHUNK), jnp.bfloat16, plgpu.Layout.WGMMA))
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((64, CHUNK), jnp.bfloat16, plgpu.Layout.WGMMA),
+    )
     def dequant(_, words, scales):
         i32, i16, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16), ir.IndexType.get()
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -132,8 +143,9 @@ def _dequant_chunk(words, scales_ref, chunk, first_col):
                     shifted = arith.shrui(word, c(4 * i)) if i else word
                     reg = llvm.inline_asm(i32, [shifted, scale2, neg136], _DEQUANT_ASM, "=r,r,r,r")
                     out[2 * i + e, half] = mgpu_utils.bitcast(reg, bf16x2)
-        return mgpu_fa.FragmentedArray(_registers=out.reshape(1, 8, 1, 1, 2, 1, 1, 1, 1),
-                                       _layout=mgpu_fa.WGMMA_LAYOUT, _is_signed=None)
+        return mgpu_fa.FragmentedArray(
+            _registers=out.reshape(1, 8, 1, 1, 2, 1, 1, 1, 1), _layout=mgpu_fa.WGMMA_LAYOUT, _is_signed=None
+        )
 
     return dequant(words, scales_ref)
 
@@ -141,10 +153,10 @@ def _dequant_chunk(words, scales_ref, chunk, first_col):
 def _dequant_chunk_jnp(words, scales, chunk):
     """Interpret-mode twin of `_dequant_chunk`: words int32 [64, 32], scales bf16 [8, 64] of the stage ->
     bf16 [64, 64] in P1 order. (No array constants: the kernel may not capture any.)"""
-    chunk_words = words[:, chunk * 8:(chunk + 1) * 8]
+    chunk_words = words[:, chunk * 8 : (chunk + 1) * 8]
     shifts = lax.broadcasted_iota(jnp.int32, (64, 8, PACK), 2) * 4
     q = (lax.shift_right_logical(chunk_words[:, :, None], shifts) & 0xF) - 8  # [col, word, nibble]
-    scale = scales[2 * chunk:2 * chunk + 2].T.astype(jnp.float32)  # [col, group]: words 0-3, 4-7
+    scale = scales[2 * chunk : 2 * chunk + 2].T.astype(jnp.float32)  # [col, group]: words 0-3, 4-7
     w = q.reshape(64, 2, 4 * PACK).astype(jnp.float32) * scale[:, :, None]
     return to_p1_order(w.astype(jnp.bfloat16).reshape(64, CHUNK))
 
@@ -163,8 +175,10 @@ def _store_transposed(acc, out_ref, p1_order):
         for half in range(2):
             n = arith.addi(row, c(8 * half))
             if p1_order:  # n = 16q' + 8e + 4h + i sits at column 16i + 8e + 2q' + h
-                n = arith.addi(arith.addi(arith.muli(bits(n, 0, 3), c(16)), arith.muli(bits(n, 3, 1), c(8))),
-                               arith.addi(arith.muli(bits(n, 4, 3), c(2)), bits(n, 2, 1)))
+                n = arith.addi(
+                    arith.addi(arith.muli(bits(n, 0, 3), c(16)), arith.muli(bits(n, 3, 1), c(8))),
+                    arith.addi(arith.muli(bits(n, 4, 3), c(2)), bits(n, 2, 1)),
+                )
             col = arith.index_cast(index, n)
             for j in range(acc.shape[1] // 8):
                 reg = acc.registers[0, j, 0, 0, half, 0, 0, 0, 0]
@@ -199,8 +213,9 @@ def _unstash(ref, block_m):
     """The inverse of `_stash`: ref f32 [bm / 4, 256] -> f32 [64, bm] in WGMMA layout."""
     shape = (64, block_m)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
-                       return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, plgpu.Layout.WGMMA))
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, plgpu.Layout.WGMMA)
+    )
     def load(_, ref):
         index, f32x2 = ir.IndexType.get(), ir.VectorType.get((2,), ir.F32Type.get())
         col = _stash_column()
@@ -212,9 +227,32 @@ def _unstash(ref, block_m):
     return load(ref)
 
 
-def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, block_rows_ref, x_ref, w_ref, s_ref, out_ref, w_smem,
-            s_smem, x_smem, a_smem, out_smem, up_smem, full_bars, empty_bars, up_full_bars, up_empty_bars, *, gate_up,
-            block_m, widths, num_stages, interpret):
+def _kernel(
+    num_blocks_ref,
+    block_expert_ref,
+    block_row_ref,
+    block_rows_ref,
+    x_ref,
+    w_ref,
+    s_ref,
+    out_ref,
+    w_smem,
+    s_smem,
+    x_smem,
+    a_smem,
+    out_smem,
+    up_smem,
+    full_bars,
+    empty_bars,
+    up_full_bars,
+    up_empty_bars,
+    *,
+    gate_up,
+    block_m,
+    widths,
+    num_stages,
+    interpret,
+):
     """Both GEMMs. x [rows, K] bf16 (P1-permuted); row block b reads x rows block_row[b] .. + block_m and
     multiplies the first of them: the smallest of `widths` (ascending, the last block_m) that covers its
     block_rows[b] valid rows, and writes those rows of its output slots only (the others are padding, never
@@ -291,8 +329,9 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, block_rows_ref, x_r
                 if interpret:
                     words, scales = tile[...], s_smem[slot, o, :, my_cols]
                 else:
-                    words = plgpu.layout_cast(plgpu.load(tile, layout=plgpu.Layout._WGMMA_ACC_32BIT),
-                                              plgpu.Layout.WGMMA)
+                    words = plgpu.layout_cast(
+                        plgpu.load(tile, layout=plgpu.Layout._WGMMA_ACC_32BIT), plgpu.Layout.WGMMA
+                    )
                 for c in range(STAGE_CHUNKS):
                     x_t = x_smem.at[slot, c, pl.ds(0, width)].T
                     if interpret:
@@ -301,7 +340,7 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, block_rows_ref, x_r
                         plgpu.wgmma(acc_ref, a_smem.at[w], x_t)
                         plgpu.wgmma_wait(0)
                     else:  # dequantize the next chunk while this one multiplies
-                        a = _dequant_chunk(words[:, c * 8:(c + 1) * 8], s_smem.at[slot, o], c, half * WG_N)
+                        a = _dequant_chunk(words[:, c * 8 : (c + 1) * 8], s_smem.at[slot, o], c, half * WG_N)
                         plgpu.wgmma(acc_ref, a, x_t)
                         plgpu.wgmma_wait(1)
                 plgpu.wgmma_wait(0)  # in the step: freeing the slot in the next step's body cost 15-20% (run 11)
@@ -337,8 +376,9 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, block_rows_ref, x_r
                     plgpu.barrier_wait(up_empty_bars.at[half])
                 else:
                     plgpu.barrier_wait(up_full_bars.at[half])
-                    up = (up_smem[half, stash_rows].reshape(acc.shape) if interpret
-                          else _unstash(up_smem.at[half], width))
+                    up = (
+                        up_smem[half, stash_rows].reshape(acc.shape) if interpret else _unstash(up_smem.at[half], width)
+                    )
                     plgpu.barrier_arrive(up_empty_bars.at[half])
                     h = (acc / (1.0 + jnp.exp(-acc)) * up).astype(out_smem.dtype)
                     cols = pl.ds(pl.multiple_of(n * TILE_N + half * WG_N, WG_N), WG_N)
@@ -358,8 +398,9 @@ def _kernel(num_blocks_ref, block_expert_ref, block_row_ref, block_rows_ref, x_r
         pl.when(wg == w)(functools.partial(compute_warpgroup, w))
 
 
-def _grouped_gemm(num_blocks, block_expert, block_row, block_rows, x, w, s, out_type, *, gate_up, block_m, widths,
-                  num_sms, interpret):
+def _grouped_gemm(
+    num_blocks, block_expert, block_row, block_rows, x, w, s, out_type, *, gate_up, block_m, widths, num_sms, interpret
+):
     """One of the two GEMMs (see `_kernel`) over the first num_blocks[0] row blocks: block_expert [NB] (row of
     the weight stack), block_row [NB] (first x row), block_rows [NB] (valid rows). As many pipeline stages as fit
     in shared memory, up to 4."""
@@ -367,15 +408,20 @@ def _grouped_gemm(num_blocks, block_expert, block_row, block_rows, x, w, s, out_
     out_dtype = jnp.dtype(out_type.dtype)
     out_tiles = 2 if gate_up else NUM_COMPUTE  # gate_up: the gate warpgroups store h
     up_shape = (2, block_m // 4, 256) if gate_up else (1,)
-    fixed_bytes = (out_tiles * block_m * WG_N * out_dtype.itemsize + 4 * math.prod(up_shape)
-                   + (NUM_COMPUTE * 64 * CHUNK * 2 if interpret else 0) + 2048)
+    fixed_bytes = (
+        out_tiles * block_m * WG_N * out_dtype.itemsize
+        + 4 * math.prod(up_shape)
+        + (NUM_COMPUTE * 64 * CHUNK * 2 if interpret else 0)
+        + 2048
+    )
     num_stages = min(4, (SMEM_BYTES - fixed_bytes) // stage_bytes)
     scratch = [
         tiled_smem((num_stages, 2, STAGE_WORDS, TILE_N), jnp.int32, 128),  # w_smem [slot, tile]
         plgpu.SMEM((num_stages, 2, STAGE_WORDS // 4, TILE_N), jnp.bfloat16),  # s_smem [slot, tile, group, col]
         tiled_smem((num_stages, STAGE_CHUNKS, block_m, CHUNK), jnp.bfloat16, 128),  # x_smem [slot, chunk]
-        (tiled_smem((NUM_COMPUTE, 64, CHUNK), jnp.bfloat16, 128) if interpret
-         else plgpu.SMEM((1,), jnp.float32)),  # a_smem
+        (
+            tiled_smem((NUM_COMPUTE, 64, CHUNK), jnp.bfloat16, 128) if interpret else plgpu.SMEM((1,), jnp.float32)
+        ),  # a_smem
         plgpu.SMEM((out_tiles, block_m, WG_N), out_dtype),  # out_smem
         plgpu.SMEM(up_shape, jnp.float32),  # up_smem: gate_up's up accumulators, `_stash` layout
         plgpu.Barrier(num_arrivals=NUM_COPIES, num_barriers=num_stages),  # full_bars
@@ -384,9 +430,14 @@ def _grouped_gemm(num_blocks, block_expert, block_row, block_rows, x, w, s, out_
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # up_empty_bars
     ]
     kernel = plgpu.kernel(
-        functools.partial(_kernel, gate_up=gate_up, block_m=block_m, widths=widths, num_stages=num_stages,
-                          interpret=interpret),
-        out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",), num_threads=NUM_COMPUTE + 1,
+        functools.partial(
+            _kernel, gate_up=gate_up, block_m=block_m, widths=widths, num_stages=num_stages, interpret=interpret
+        ),
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=NUM_COMPUTE + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -408,8 +459,9 @@ def gate_up_rows(local_ids, counts, rank, block_expert, block_m, top_k):
     slot_start, row_start = group_starts(counts, block_m), group_starts(counts, 8)
     num_rows = -(-(num_pairs + 8 * min(num_experts, num_pairs) + block_m) // 8) * 8
     row = pair_rows(local_ids, row_start, rank, num_rows)
-    token_of_row = jnp.full(num_rows, -1, jnp.int32).at[row].set(jnp.arange(num_pairs, dtype=jnp.int32) // top_k,
-                                                                 mode="drop")
+    token_of_row = (
+        jnp.full(num_rows, -1, jnp.int32).at[row].set(jnp.arange(num_pairs, dtype=jnp.int32) // top_k, mode="drop")
+    )
     expert = jnp.maximum(block_expert, 0)
     first_slot = jnp.arange(block_expert.shape[0], dtype=jnp.int32) * block_m
     block_row = first_slot + jnp.where(block_expert >= 0, row_start[expert] - slot_start[expert], 0)
@@ -424,6 +476,7 @@ def default_num_sms():
 
 class RoutedOperands(NamedTuple):
     """What the two kernels read besides the weights (NB = `max_blocks` row blocks, the used ones first)."""
+
     num_blocks: jax.Array  # [1] int32: used row blocks
     block_expert: jax.Array  # [NB] int32: row of the weight stack each block multiplies (-1 = unused)
     x_row: jax.Array  # [NB] int32: first row of xs gate_up reads for each block (`gate_up_rows`)
@@ -447,8 +500,15 @@ def routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset=0):
     slot_row = jnp.arange(num_blocks_max, dtype=jnp.int32) * block_m
     expert = jnp.maximum(block_expert, 0)
     block_rows = jnp.where(block_expert >= 0, jnp.clip(slot_start[expert] + counts[expert] - slot_row, 0, block_m), 0)
-    return RoutedOperands(num_blocks, jnp.where(block_expert >= 0, block_expert + stack_offset, -1), x_row, xs,
-                          slot_row, pair_slot, block_rows)
+    return RoutedOperands(
+        num_blocks,
+        jnp.where(block_expert >= 0, block_expert + stack_offset, -1),
+        x_row,
+        xs,
+        slot_row,
+        pair_slot,
+        block_rows,
+    )
 
 
 def wgmma_widths(block_m, step=WIDTH_STEP):
@@ -461,11 +521,27 @@ def wgmma_widths(block_m, step=WIDTH_STEP):
     return tuple(range(step, block_m + 1, step))
 
 
-@functools.partial(jax.jit, static_argnames=["block_m", "out_dtype", "pair_rows_fp32", "interpret", "num_sms",
-                                             "width_step"])
-def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset=0,
-                     block_m=32, out_dtype=None, pair_rows_fp32=False, interpret=False, layer=None, num_sms=None,
-                     width_step=WIDTH_STEP):
+@functools.partial(
+    jax.jit, static_argnames=["block_m", "out_dtype", "pair_rows_fp32", "interpret", "num_sms", "width_step"]
+)
+def fused_moe_mosaic(
+    x,
+    topk_ids,
+    topk_weights,
+    w13_packed,
+    w13_scale,
+    w2_packed,
+    w2_scale,
+    *,
+    expert_offset=0,
+    block_m=32,
+    out_dtype=None,
+    pair_rows_fp32=False,
+    interpret=False,
+    layer=None,
+    num_sms=None,
+    width_step=WIDTH_STEP,
+):
     """Mosaic GPU fused MoE with the contract of `int4_moe_gemm.fused_moe_reference` (bf16 x only).
 
     Routing in XLA (`expert_ranks`: pairs grouped by expert without a sort, each group padded to block_m slots);
@@ -488,14 +564,35 @@ def fused_moe_mosaic(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed
     num_tokens, top_k = topk_ids.shape
     local_ids = topk_ids.reshape(-1).astype(jnp.int32) - expert_offset
     ops = routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset)
-    common = dict(block_m=block_m, widths=wgmma_widths(block_m, width_step), num_sms=num_sms or default_num_sms(),
-                  interpret=interpret)
+    common = dict(
+        block_m=block_m,
+        widths=wgmma_widths(block_m, width_step),
+        num_sms=num_sms or default_num_sms(),
+        interpret=interpret,
+    )
     num_slots = ops.slot_row.shape[0] * block_m
-    h = _grouped_gemm(ops.num_blocks, ops.block_expert, ops.x_row, ops.block_rows, ops.xs, *weights[:2],
-                      jax.ShapeDtypeStruct((num_slots, i), x.dtype), gate_up=True, **common)
-    y_slots = _grouped_gemm(ops.num_blocks, ops.block_expert, ops.slot_row, ops.block_rows, h, *weights[2:],
-                            jax.ShapeDtypeStruct((num_slots, d), jnp.float32 if pair_rows_fp32 else x.dtype),
-                            gate_up=False, **common)
+    h = _grouped_gemm(
+        ops.num_blocks,
+        ops.block_expert,
+        ops.x_row,
+        ops.block_rows,
+        ops.xs,
+        *weights[:2],
+        jax.ShapeDtypeStruct((num_slots, i), x.dtype),
+        gate_up=True,
+        **common,
+    )
+    y_slots = _grouped_gemm(
+        ops.num_blocks,
+        ops.block_expert,
+        ops.slot_row,
+        ops.block_rows,
+        h,
+        *weights[2:],
+        jax.ShapeDtypeStruct((num_slots, d), jnp.float32 if pair_rows_fp32 else x.dtype),
+        gate_up=False,
+        **common,
+    )
     return combine(y_slots, ops.pair_slot.reshape(num_tokens, top_k), topk_weights).astype(out_dtype or x.dtype)
 
 
@@ -504,6 +601,8 @@ def combine(y_slots, pair_slot, topk_weights):
     this shard) -> y [M, D] f32: per token, the sum over its top k of the routing weight times its pair's row.
     One elementwise pass over k gathered rows a token (no [M * k, D] intermediate)."""
     weights = topk_weights.astype(jnp.float32)
-    terms = [jnp.where(pair_slot[:, j:j + 1] >= 0, weights[:, j:j + 1] * y_slots[jnp.maximum(pair_slot[:, j], 0)], 0.0)
-             for j in range(pair_slot.shape[1])]
+    terms = [
+        jnp.where(pair_slot[:, j : j + 1] >= 0, weights[:, j : j + 1] * y_slots[jnp.maximum(pair_slot[:, j], 0)], 0.0)
+        for j in range(pair_slot.shape[1])
+    ]
     return functools.reduce(jnp.add, terms)

@@ -8,6 +8,7 @@ child is unique. Per request c:
     accept_len int32    accepted nodes incl. the root = matched drafts + 1
     bonus int32         post[last accepted node], the target's next token
 """
+
 import functools
 
 import jax
@@ -20,24 +21,27 @@ def _check_args(tokens, parents, post, num_nodes, max_depth):
     if tokens.ndim != 2 or tokens.dtype != jnp.int32 or tokens.shape[1] < 1:
         raise ValueError(f"tokens must be int32 [C, B] with B >= 1, got {tokens.dtype} {tokens.shape}")
     num_requests, budget = tokens.shape
-    for name, array, shape in (("parents", parents, (num_requests, budget + 1)),
-                               ("post", post, (num_requests, budget + 1)),
-                               ("num_nodes", num_nodes, (num_requests,))):
+    for name, array, shape in (
+        ("parents", parents, (num_requests, budget + 1)),
+        ("post", post, (num_requests, budget + 1)),
+        ("num_nodes", num_nodes, (num_requests,)),
+    ):
         if array.shape != shape or array.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32 {list(shape)}, got {array.dtype} {array.shape}")
     if max_depth < 1:
         raise ValueError(f"max_depth must be >= 1, got {max_depth}")
 
 
-def _tree_accept_kernel(num_nodes_ref, tokens_ref, parents_ref, post_ref, path_ref, accept_len_ref, bonus_ref,
-                        *, budget, max_depth):
+def _tree_accept_kernel(
+    num_nodes_ref, tokens_ref, parents_ref, post_ref, path_ref, accept_len_ref, bonus_ref, *, budget, max_depth
+):
     """tokens_ref [C, NB] and parents_ref [C, NB+1] are padded (NB = next power of 2 >= B) so that the
     power-of-2 node loads stay inside the arrays."""
     c = pl.program_id(0)
     node_block = tokens_ref.shape[1]
     path_block = pl.next_power_of_2(max_depth + 1)
     lane = jnp.arange(node_block, dtype=jnp.int32)
-    node = lane + 1                                               # lane l holds node l+1
+    node = lane + 1  # lane l holds node l+1
     is_node = (lane < budget) & (node <= num_nodes_ref[c])
     node_token = plgpu.load(tokens_ref.at[c, pl.ds(0, node_block)], mask=is_node, other=-1)
     node_parent = plgpu.load(parents_ref.at[c, pl.ds(1, node_block)], mask=is_node, other=-1)
@@ -52,8 +56,7 @@ def _tree_accept_kernel(num_nodes_ref, tokens_ref, parents_ref, post_ref, path_r
         return length + found.astype(jnp.int32), jnp.where(found, child, current), found, path
 
     init = (jnp.int32(1), jnp.int32(0), jnp.bool_(True), jnp.where(path_slot == 0, 0, -1))
-    accept_len, last, _, path = jax.lax.while_loop(
-        lambda carry: carry[2] & (carry[0] <= max_depth), step, init)
+    accept_len, last, _, path = jax.lax.while_loop(lambda carry: carry[2] & (carry[0] <= max_depth), step, init)
     plgpu.store(path_ref.at[c, pl.ds(0, path_block)], path, mask=path_slot <= max_depth)
     accept_len_ref[c] = accept_len
     bonus_ref[c] = post_ref[c, last]
@@ -70,9 +73,11 @@ def tree_accept(tokens, parents, post, num_nodes, *, max_depth, interpret=False)
     num_requests, budget = tokens.shape
     pad = ((0, 0), (0, pl.next_power_of_2(budget) - budget))
     tokens, parents = jnp.pad(tokens, pad, constant_values=-1), jnp.pad(parents, pad, constant_values=-1)
-    out_shape = (jax.ShapeDtypeStruct((num_requests, max_depth + 1), jnp.int32),
-                 jax.ShapeDtypeStruct((num_requests,), jnp.int32),
-                 jax.ShapeDtypeStruct((num_requests,), jnp.int32))
+    out_shape = (
+        jax.ShapeDtypeStruct((num_requests, max_depth + 1), jnp.int32),
+        jax.ShapeDtypeStruct((num_requests,), jnp.int32),
+        jax.ShapeDtypeStruct((num_requests,), jnp.int32),
+    )
     return pl.pallas_call(
         functools.partial(_tree_accept_kernel, budget=budget, max_depth=max_depth),
         out_shape=out_shape,

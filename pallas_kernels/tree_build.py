@@ -9,6 +9,7 @@ match it node for node. Top-K over the vocabulary cannot run in Triton and happe
 Outputs per request c: tokens [B], depths [B] (node i+1 at index i), parents [B+1] (root -1), num_nodes;
 -1 past num_nodes.
 """
+
 import functools
 
 import jax
@@ -64,8 +65,19 @@ def _check_args(logq, ids, budgets, max_budget, max_topk):
         raise ValueError(f"max_topk must be >= 1 or None, got {max_topk}")
 
 
-def _tree_build_kernel(budgets_ref, logq_ref, ids_ref, tokens_ref, depths_ref, parents_ref, num_nodes_ref,
-                       *, max_budget, max_topk, depth_bonus):
+def _tree_build_kernel(
+    budgets_ref,
+    logq_ref,
+    ids_ref,
+    tokens_ref,
+    depths_ref,
+    parents_ref,
+    num_nodes_ref,
+    *,
+    max_budget,
+    max_topk,
+    depth_bonus,
+):
     c = pl.program_id(0)
     _, num_depths, k_total = logq_ref.shape
     budget = jnp.clip(budgets_ref[c], 0, max_budget)
@@ -93,13 +105,15 @@ def _tree_build_kernel(budgets_ref, logq_ref, ids_ref, tokens_ref, depths_ref, p
         child = jnp.where(d < num_depths, (logw + q_child) + depth_bonus, neg_inf)
         score = jnp.where(slot == j, neg_inf, score)
         score = jnp.where(slot == 2 * i + 1, sibling, jnp.where(slot == 2 * i + 2, child, score))
-        meta = jnp.where(slot == 2 * i + 1, _pack(parent, d, r + 1),
-                         jnp.where(slot == 2 * i + 2, _pack(i + 1, d + 1, 0), meta))
+        meta = jnp.where(
+            slot == 2 * i + 1, _pack(parent, d, r + 1), jnp.where(slot == 2 * i + 2, _pack(i + 1, d + 1, 0), meta)
+        )
         num_live += (sibling > neg_inf).astype(jnp.int32) + (child > neg_inf).astype(jnp.int32) - 1
         return i + 1, num_live, score, meta
 
-    num_nodes = jax.lax.while_loop(lambda carry: (carry[0] < budget) & (carry[1] > 0), pop,
-                                   (jnp.int32(0), num_live, score, meta))[0]
+    num_nodes = jax.lax.while_loop(
+        lambda carry: (carry[0] < budget) & (carry[1] > 0), pop, (jnp.int32(0), num_live, score, meta)
+    )[0]
 
     def pad(i, _):
         tokens_ref[c, i] = -1
@@ -117,8 +131,7 @@ def _default_num_warps(max_budget):
 
 
 @functools.partial(jax.jit, static_argnames=("max_budget", "max_topk", "depth_bonus", "interpret", "num_warps"))
-def tree_build(logq, ids, budgets, *, max_budget, max_topk=None, depth_bonus=0.0, interpret=False,
-               num_warps=None):
+def tree_build(logq, ids, budgets, *, max_budget, max_topk=None, depth_bonus=0.0, interpret=False, num_warps=None):
     """Best-first DDTree per request (Pallas-Triton, one program per request).
 
     logq [C, L, K] float32 and ids [C, L, K] int32 from `draft_topk`; budgets [C] int32 in [0, max_budget]
@@ -127,18 +140,20 @@ def tree_build(logq, ids, budgets, *, max_budget, max_topk=None, depth_bonus=0.0
     """
     _check_args(logq, ids, budgets, max_budget, max_topk)
     num_requests = logq.shape[0]
-    out_shape = (jax.ShapeDtypeStruct((num_requests, max_budget), jnp.int32),
-                 jax.ShapeDtypeStruct((num_requests, max_budget), jnp.int32),
-                 jax.ShapeDtypeStruct((num_requests, max_budget + 1), jnp.int32),
-                 jax.ShapeDtypeStruct((num_requests,), jnp.int32))
-    kernel = functools.partial(_tree_build_kernel, max_budget=max_budget, max_topk=max_topk,
-                               depth_bonus=float(depth_bonus))
+    out_shape = (
+        jax.ShapeDtypeStruct((num_requests, max_budget), jnp.int32),
+        jax.ShapeDtypeStruct((num_requests, max_budget), jnp.int32),
+        jax.ShapeDtypeStruct((num_requests, max_budget + 1), jnp.int32),
+        jax.ShapeDtypeStruct((num_requests,), jnp.int32),
+    )
+    kernel = functools.partial(
+        _tree_build_kernel, max_budget=max_budget, max_topk=max_topk, depth_bonus=float(depth_bonus)
+    )
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(num_requests,),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or _default_num_warps(max_budget),
-                                             num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or _default_num_warps(max_budget), num_stages=1),
         interpret=interpret,
         name="tree_build",
     )(budgets, logq, ids)
@@ -165,10 +180,12 @@ def _build_one_reference(logq, ids, budget, *, max_budget, max_topk, depth_bonus
         logw = score[j]
         active = (i < budget) & (logw > neg_inf)
         parent, d, r = slot_parent[j], slot_depth[j], slot_rank[j]
-        sibling = jnp.where(active & (r + 1 < k),
-                            (logw - logq[d - 1, r]) + logq[d - 1, jnp.minimum(r + 1, k_total - 1)], neg_inf)
-        child = jnp.where(active & (d < num_depths),
-                          (logw + logq[jnp.minimum(d, num_depths - 1), 0]) + depth_bonus, neg_inf)
+        sibling = jnp.where(
+            active & (r + 1 < k), (logw - logq[d - 1, r]) + logq[d - 1, jnp.minimum(r + 1, k_total - 1)], neg_inf
+        )
+        child = jnp.where(
+            active & (d < num_depths), (logw + logq[jnp.minimum(d, num_depths - 1), 0]) + depth_bonus, neg_inf
+        )
         score = score.at[j].set(jnp.where(active, neg_inf, logw))
         score = score.at[2 * i + 1].set(sibling).at[2 * i + 2].set(child)
         slot_parent = slot_parent.at[2 * i + 1].set(parent).at[2 * i + 2].set(i + 1)
@@ -189,8 +206,9 @@ def tree_build_reference(logq, ids, budgets, *, max_budget, max_topk=None, depth
     """`tree_build` as a plain XLA lax.fori_loop over pops (vmapped over requests); `interpret` is unused."""
     del interpret
     _check_args(logq, ids, budgets, max_budget, max_topk)
-    build = functools.partial(_build_one_reference, max_budget=max_budget, max_topk=max_topk,
-                              depth_bonus=jnp.float32(depth_bonus))
+    build = functools.partial(
+        _build_one_reference, max_budget=max_budget, max_topk=max_topk, depth_bonus=jnp.float32(depth_bonus)
+    )
     return jax.vmap(build)(logq, ids, budgets)
 
 
@@ -206,7 +224,7 @@ def visibility_from_parents(parents, *, max_depth=None):
     num_rows = parents.shape[1]
     max_depth = num_rows - 1 if max_depth is None else max_depth
     visibility = jnp.broadcast_to(jnp.eye(num_rows, dtype=bool), (parents.shape[0], num_rows, num_rows))
-    jump = parents                      # after step s: visibility covers distances < 2**s, jump = 2**s-th ancestor
+    jump = parents  # after step s: visibility covers distances < 2**s, jump = 2**s-th ancestor
     for _ in range(max_depth.bit_length()):
         has_jump = jump >= 0
         safe_jump = jnp.where(has_jump, jump, 0)

@@ -10,6 +10,7 @@ the target is <= 2.5x and flat in depth. The converter's CPU seconds per GB are 
 host the wall-clock rate depends on what else runs. The synthetic files are deleted afterwards.
 Writes bench/results/convert_cpu.json.
 """
+
 import argparse
 import datetime
 import json
@@ -88,8 +89,22 @@ def bench_depth(depth: int, experts: int, workdir: str) -> dict:
         shutil.rmtree(d, ignore_errors=True)
     preset = f"k26-depth{depth}"
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "convert.make_tiny", "--out", hf, "--preset", preset, "--experts",
-                    str(experts), "--no-drafter"], cwd=ROOT, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "convert.make_tiny",
+            "--out",
+            hf,
+            "--preset",
+            preset,
+            "--experts",
+            str(experts),
+            "--no-drafter",
+        ],
+        cwd=ROOT,
+        check=True,
+    )
     gen_s = time.perf_counter() - t
     cfg = ModelConfig.from_hf_dict(hf_config(tiny_text_config(preset, experts)))
     hf_bytes = dir_bytes(hf)
@@ -115,14 +130,23 @@ def bench_depth(depth: int, experts: int, workdir: str) -> dict:
     shutil.rmtree(hf)
     shutil.rmtree(out)
     row = {
-        "preset": preset, "n_routed_experts": experts, "layers": cfg.num_hidden_layers,
-        "moe_layers": cfg.num_moe_layers, "hf_bytes": hf_bytes, "out_bytes": out_bytes,
-        "largest_layer_bytes": largest, "generate_s": round(gen_s, 1),
-        "copy_s": round(copy_s, 2), "copy_MBps": round(hf_bytes / copy_s / 1e6, 1),
-        "convert_s": round(convert_s, 2), "in_process_s": round(summary["write_s"], 2),
-        "convert_MBps": round(hf_bytes / convert_s / 1e6, 1), "convert_cpu_s": round(cpu_s, 1),
+        "preset": preset,
+        "n_routed_experts": experts,
+        "layers": cfg.num_hidden_layers,
+        "moe_layers": cfg.num_moe_layers,
+        "hf_bytes": hf_bytes,
+        "out_bytes": out_bytes,
+        "largest_layer_bytes": largest,
+        "generate_s": round(gen_s, 1),
+        "copy_s": round(copy_s, 2),
+        "copy_MBps": round(hf_bytes / copy_s / 1e6, 1),
+        "convert_s": round(convert_s, 2),
+        "in_process_s": round(summary["write_s"], 2),
+        "convert_MBps": round(hf_bytes / convert_s / 1e6, 1),
+        "convert_cpu_s": round(cpu_s, 1),
         "cpu_s_per_GB": round(cpu_s / (hf_bytes / 1e9), 2),
-        "peak_rss_bytes": peak_rss, "import_rss_bytes": base_rss,
+        "peak_rss_bytes": peak_rss,
+        "import_rss_bytes": base_rss,
         "peak_rss_x_largest_layer": round(peak_rss / largest, 2),
         "peak_rss_minus_imports_x_largest_layer": round((peak_rss - base_rss) / largest, 2),
     }
@@ -143,12 +167,17 @@ def main():
         rows = [bench_depth(d, a.experts, a.workdir) for d in a.depths]
     finally:
         shutil.rmtree(a.workdir, ignore_errors=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    record = {"device": f"CPU host: {os.cpu_count()} cores, {ram_gib:.0f} GiB RAM, {platform.platform()}",
-              "date": datetime.date.today().isoformat(), "commit": commit,
-              "command": "python " + " ".join(sys.argv), "rows": rows}
+    record = {
+        "device": f"CPU host: {os.cpu_count()} cores, {ram_gib:.0f} GiB RAM, {platform.platform()}",
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "command": "python " + " ".join(sys.argv),
+        "rows": rows,
+    }
     with open(a.out, "w") as f:
         json.dump(record, f, indent=1)
         f.write("\n")

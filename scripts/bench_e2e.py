@@ -28,6 +28,7 @@ path (its timings mean nothing):
 Re-project a record with other collective assumptions:
   python scripts/bench_e2e.py --project bench/results/e2e_h200_depthN.json --collective-us 15
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,20 +57,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from k26jax import api, cache as kc, engine, ops, sharding  # noqa: E402
+from k26jax import api, engine, ops, sharding  # noqa: E402
+from k26jax import cache as kc  # noqa: E402
 from k26jax.config import DrafterConfig, ModelConfig, build_target_layer_ids, preset  # noqa: E402
 from k26jax.generate import generate  # noqa: E402
-from k26jax.model import drafter as drafter_lib, target  # noqa: E402
+from k26jax.model import drafter as drafter_lib  # noqa: E402
+from k26jax.model import target  # noqa: E402
 from pallas_kernels.tree_build import visibility_from_parents  # noqa: E402
 
-SGLANG_DDTREE_8X_PRO6000 = {1: 138.7, 4: 322.0, 8: 466.0, 10: 517.0}   # tok/s, issue 8
+SGLANG_DDTREE_8X_PRO6000 = {1: 138.7, 4: 322.0, 8: 466.0, 10: 517.0}  # tok/s, issue 8
 PRO6000_TBPS, H200_SPEC_TBPS = 1.8, 4.8
 K26_LAYERS = 61
-MAX_NEW = 4096            # never reached: sequences stay active while timed
-STEPS_CAP = 20            # steps per timed repeat (the cache margin is sized for it)
-TRACE_LOCK = threading.Lock()   # one tracer at a time: ablations patch `ops` while they are traced
+MAX_NEW = 4096  # never reached: sequences stay active while timed
+STEPS_CAP = 20  # steps per timed repeat (the cache margin is sized for it)
+TRACE_LOCK = threading.Lock()  # one tracer at a time: ablations patch `ops` while they are traced
 
 
 # ---- configurations ----------------------------------------------------------------------------------------
@@ -81,16 +85,40 @@ def target_config(name: str, layers: int) -> ModelConfig:
 
 def drafter_config(cfg: ModelConfig, tiny: bool) -> DrafterConfig:
     """The DFlash drafter at Kimi dims (or a tiny one that shards 8 ways); target layers clamped to cfg's."""
-    full = dict(hidden_size=7168, num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-                intermediate_size=18432, num_target_layers=K26_LAYERS, rope_theta=50000.0)
+    full = dict(
+        hidden_size=7168,
+        num_hidden_layers=6,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=18432,
+        num_target_layers=K26_LAYERS,
+        rope_theta=50000.0,
+    )
     if tiny:
-        full.update(hidden_size=cfg.hidden_size, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
-                    head_dim=32, intermediate_size=512, num_target_layers=4)
-    ids = [min(i, cfg.num_hidden_layers - 1)
-           for i in build_target_layer_ids(full["num_target_layers"], full["num_hidden_layers"])]
-    return DrafterConfig.from_dict(dict(full, rms_norm_eps=1e-6, block_size=8, vocab_size=cfg.vocab_size,
-                                        max_position_embeddings=cfg.max_position_embeddings,
-                                        dflash_config=dict(target_layer_ids=ids, mask_token_id=cfg.vocab_size - 2)))
+        full.update(
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=32,
+            intermediate_size=512,
+            num_target_layers=4,
+        )
+    ids = [
+        min(i, cfg.num_hidden_layers - 1)
+        for i in build_target_layer_ids(full["num_target_layers"], full["num_hidden_layers"])
+    ]
+    return DrafterConfig.from_dict(
+        dict(
+            full,
+            rms_norm_eps=1e-6,
+            block_size=8,
+            vocab_size=cfg.vocab_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            dflash_config=dict(target_layer_ids=ids, mask_token_id=cfg.vocab_size - 2),
+        )
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,19 +149,29 @@ class Setup:
         self.dcfg = drafter_config(self.cfg, self.tiny)
         self.impls = ops.Impls.auto(mesh if mesh.size > 1 else None, args.expert_mode)
         if args.pallas_interpret:
-            self.impls = ops.Impls("pallas", "pallas", "pallas", "pallas", mesh=self.impls.mesh,
-                                   expert_mode=args.expert_mode, interpret=True)
+            self.impls = ops.Impls(
+                "pallas",
+                "pallas",
+                "pallas",
+                "pallas",
+                mesh=self.impls.mesh,
+                expert_mode=args.expert_mode,
+                interpret=True,
+            )
         self.params_abs = target.abstract_params(self.cfg, self.dtype)
         self.dparams_abs = drafter_lib.abstract_params(self.dcfg, self.dtype)
         self.params_sh = sharding.shardings_for(
-            self.params_abs, sharding.param_partition_specs(self.cfg, args.expert_mode), mesh)
+            self.params_abs, sharding.param_partition_specs(self.cfg, args.expert_mode), mesh
+        )
         self.dparams_sh = sharding.shardings_for(
-            self.dparams_abs, drafter_lib.drafter_partition_specs(self.dcfg, mesh.shape[sharding.MODEL]), mesh)
+            self.dparams_abs, drafter_lib.drafter_partition_specs(self.dcfg, mesh.shape[sharding.MODEL]), mesh
+        )
         self.replicated = NamedSharding(mesh, P())
 
     def step_config(self, v: Variant) -> engine.StepConfig:
-        return engine.StepConfig(method=v.method, budget=v.budget, max_new_tokens=MAX_NEW,
-                                 block_size=self.dcfg.block_size)
+        return engine.StepConfig(
+            method=v.method, budget=v.budget, max_new_tokens=MAX_NEW, block_size=self.dcfg.block_size
+        )
 
     def cache_len(self, v: Variant) -> int:
         """Context + room for the timed steps' commits + the largest tree (one size for every method)."""
@@ -142,36 +180,69 @@ class Setup:
 
     def init_fn(self):
         seed, dtype = self.args.seed, self.dtype
-        return jax.jit(lambda: (target.init_params(self.cfg, seed, dtype),
-                                drafter_lib.init_params(self.dcfg, seed + 1, dtype)),
-                       out_shardings=(self.params_sh, self.dparams_sh))
+        return jax.jit(
+            lambda: (target.init_params(self.cfg, seed, dtype), drafter_lib.init_params(self.dcfg, seed + 1, dtype)),
+            out_shardings=(self.params_sh, self.dparams_sh),
+        )
 
     def _fill(self, v: Variant):
-        return functools.partial(synthetic_state, cfg=self.cfg, dcfg=self.dcfg, sc=self.step_config(v), C=v.C,
-                                 S=self.cache_len(v), context=v.context, dtype=self.dtype)
+        return functools.partial(
+            synthetic_state,
+            cfg=self.cfg,
+            dcfg=self.dcfg,
+            sc=self.step_config(v),
+            C=v.C,
+            S=self.cache_len(v),
+            context=v.context,
+            dtype=self.dtype,
+        )
 
     def state_fn(self, v: Variant):
         return jax.jit(self._fill(v), out_shardings=self.state_shardings(v))
 
     def state_shardings(self, v: Variant):
         abstract = jax.eval_shape(self._fill(v), jax.random.key(0))
-        ctx_spec = drafter_lib.drafter_cache_partition_spec(self.dcfg, self.mesh.shape[sharding.MODEL]) \
-            if v.method != "ar" else P()
+        ctx_spec = (
+            drafter_lib.drafter_cache_partition_spec(self.dcfg, self.mesh.shape[sharding.MODEL])
+            if v.method != "ar"
+            else P()
+        )
         specs = engine.DecodeState(
-            cache=kc.KVCache(rows=sharding.cache_partition_spec(), lengths=P()), ctx_k=ctx_spec, ctx_v=ctx_spec,
-            ctx_len=P(), root=P(), out=P(), num_out=P(), done=P(), key=P(), step=P(), accept_lens=P())
+            cache=kc.KVCache(rows=sharding.cache_partition_spec(), lengths=P()),
+            ctx_k=ctx_spec,
+            ctx_v=ctx_spec,
+            ctx_len=P(),
+            root=P(),
+            out=P(),
+            num_out=P(),
+            done=P(),
+            key=P(),
+            step=P(),
+            accept_lens=P(),
+        )
         return sharding.shardings_for(abstract, specs, self.mesh)
 
     def lower_steps(self, v: Variant, impls: ops.Impls):
         """fori_loop of n controlled steps, lowered on abstract arguments (nothing allocated)."""
-        step = functools.partial(controlled_step, cfg=self.cfg, dcfg=self.dcfg, sc=self.step_config(v),
-                                 impls=impls, tau=self.tau(v), seed=self.args.seed, skip=frozenset(v.skip))
+        step = functools.partial(
+            controlled_step,
+            cfg=self.cfg,
+            dcfg=self.dcfg,
+            sc=self.step_config(v),
+            impls=impls,
+            tau=self.tau(v),
+            seed=self.args.seed,
+            skip=frozenset(v.skip),
+        )
         state_sh = self.state_shardings(v)
         fn = jax.jit(functools.partial(run_steps, step_fn=step), donate_argnums=2, out_shardings=state_sh)
         state_abs = _with_sharding(jax.eval_shape(self._fill(v), jax.random.key(0)), state_sh)
-        return fn.lower(_with_sharding(self.params_abs, self.params_sh),
-                        _with_sharding(self.dparams_abs, self.dparams_sh), state_abs,
-                        jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated))
+        return fn.lower(
+            _with_sharding(self.params_abs, self.params_sh),
+            _with_sharding(self.dparams_abs, self.dparams_sh),
+            state_abs,
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated),
+        )
 
     def tau(self, v: Variant) -> float:
         return {"ar": 1.0, "chain": self.args.tau_chain or self.args.tau, "ddtree": self.args.tau}[v.method]
@@ -202,11 +273,18 @@ def synthetic_state(key, *, cfg, dcfg, sc: engine.StepConfig, C: int, S: int, co
         shape = (dcfg.num_hidden_layers, C, dcfg.num_key_value_heads, S, dcfg.head_dim)
         ctx_k, ctx_v = jax.random.normal(k_ctx_k, shape, dtype), jax.random.normal(k_ctx_v, shape, dtype)
     return engine.DecodeState(
-        cache=kc.KVCache(rows, lengths), ctx_k=ctx_k, ctx_v=ctx_v, ctx_len=lengths,
+        cache=kc.KVCache(rows, lengths),
+        ctx_k=ctx_k,
+        ctx_v=ctx_v,
+        ctx_len=lengths,
         root=jax.random.randint(k_root, (C,), 0, cfg.vocab_size // 2, jnp.int32),
-        out=jnp.zeros((C, sc.max_new_tokens + sc.depth + 1), jnp.int32), num_out=jnp.zeros((C,), jnp.int32),
-        done=jnp.zeros((C,), bool), key=k_state, step=jnp.zeros((), jnp.int32),
-        accept_lens=jnp.zeros((engine.max_steps(sc), C), jnp.int32))
+        out=jnp.zeros((C, sc.max_new_tokens + sc.depth + 1), jnp.int32),
+        num_out=jnp.zeros((C,), jnp.int32),
+        done=jnp.zeros((C,), bool),
+        key=k_state,
+        step=jnp.zeros((), jnp.int32),
+        accept_lens=jnp.zeros((engine.max_steps(sc), C), jnp.int32),
+    )
 
 
 def draw_accept_lengths(key, C: int, depth: int, tau: float):
@@ -228,8 +306,19 @@ def _skipping(phases):
         ops.moe_gemm, ops.mla_attention = saved
 
 
-def controlled_step(params, dparams, state: engine.DecodeState, *, cfg, dcfg, sc: engine.StepConfig,
-                    impls: ops.Impls, tau: float, seed: int, skip=frozenset()) -> engine.DecodeState:
+def controlled_step(
+    params,
+    dparams,
+    state: engine.DecodeState,
+    *,
+    cfg,
+    dcfg,
+    sc: engine.StepConfig,
+    impls: ops.Impls,
+    tau: float,
+    seed: int,
+    skip=frozenset(),
+) -> engine.DecodeState:
     """engine.step with the accept result replaced by a seeded draw of mean tau (and phases in `skip` removed)."""
     C, L = state.root.shape[0], sc.depth
     step_key = jax.random.fold_in(jax.random.key(seed), state.step)
@@ -242,14 +331,15 @@ def controlled_step(params, dparams, state: engine.DecodeState, *, cfg, dcfg, sc
     def accept(tokens, parents, post, num_nodes, state):
         _, walked, _ = ops.tree_accept(tokens, parents, post, num_nodes, max_depth=L, impls=impls)
         drawn = draw_accept_lengths(step_key, C, L, tau)
-        accept_len = jnp.where(walked > L + 1, walked, drawn)          # never taken: keeps the real walk live
+        accept_len = jnp.where(walked > L + 1, walked, drawn)  # never taken: keeps the real walk live
         j = jnp.arange(L + 1, dtype=jnp.int32)[None]
         path = jnp.where(j < accept_len[:, None], j, -1)
         return path, accept_len, jnp.take_along_axis(post, (accept_len - 1)[:, None], axis=1)[:, 0]
 
     with _skipping(skip):
-        return engine.step(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls, propose=propose,
-                           accept=accept)
+        return engine.step(
+            params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls, propose=propose, accept=accept
+        )
 
 
 def run_steps(params, dparams, state, num_steps, *, step_fn):
@@ -311,8 +401,18 @@ def experts_touched(tokens: int, num_experts: int, top_k: int, n: int, trials: i
     return total, float(np.mean(worst))
 
 
-def traffic(cfg: ModelConfig, dcfg: DrafterConfig, method: str, budget: int, C: int, context: int, *,
-            n: int = 1, expert_mode: str = "ep", dtype=jnp.bfloat16) -> dict:
+def traffic(
+    cfg: ModelConfig,
+    dcfg: DrafterConfig,
+    method: str,
+    budget: int,
+    C: int,
+    context: int,
+    *,
+    n: int = 1,
+    expert_mode: str = "ep",
+    dtype=jnp.bfloat16,
+) -> dict:
     """Per-GPU {part: [bytes, flops]} of one step (n GPUs: the repo's sharding; caches replicated as designed)."""
     L = 0 if method == "ar" else dcfg.block_size - 1
     T = 1 + {"ar": 0, "chain": L, "ddtree": budget}[method]
@@ -333,17 +433,23 @@ def traffic(cfg: ModelConfig, dcfg: DrafterConfig, method: str, budget: int, C: 
     out["embed"] = [tokens * D * item, 0]
     out["lm_head"] = [w["lm_head"][0], 2 * w["lm_head"][1] * tokens]
     h_local = H // n if H % n == 0 else H
-    out["kv_cache"] = [cfg.num_hidden_layers * C * context * cfg.latent_dim * item,
-                       cfg.num_hidden_layers * 2 * tokens * h_local * context * (cfg.latent_dim + cfg.kv_lora_rank)]
+    out["kv_cache"] = [
+        cfg.num_hidden_layers * C * context * cfg.latent_dim * item,
+        cfg.num_hidden_layers * 2 * tokens * h_local * context * (cfg.latent_dim + cfg.kv_lora_rank),
+    ]
     if L:
         block = dcfg.block_size
         out["draft_lm_head"] = [w["lm_head"][0], 2 * w["lm_head"][1] * C * L]
-        out["drafter"] = [w["drafter"][0] + w["drafter_fc"][0],
-                          2 * w["drafter"][1] * C * block + 2 * w["drafter_fc"][1] * C * (L + 1)]
+        out["drafter"] = [
+            w["drafter"][0] + w["drafter_fc"][0],
+            2 * w["drafter"][1] * C * block + 2 * w["drafter_fc"][1] * C * (L + 1),
+        ]
         split = n if dcfg.num_attention_heads % n == 0 and dcfg.num_key_value_heads % n == 0 else 1
         kv_heads, q_heads = dcfg.num_key_value_heads // split, dcfg.num_attention_heads // split
-        out["drafter_ctx"] = [dcfg.num_hidden_layers * C * context * kv_heads * dcfg.head_dim * 2 * item,
-                              dcfg.num_hidden_layers * 2 * 2 * C * block * q_heads * context * dcfg.head_dim]
+        out["drafter_ctx"] = [
+            dcfg.num_hidden_layers * C * context * kv_heads * dcfg.head_dim * 2 * item,
+            dcfg.num_hidden_layers * 2 * 2 * C * block * q_heads * context * dcfg.head_dim,
+        ]
     return out
 
 
@@ -352,8 +458,13 @@ def floor_ms(parts: dict, copy_tbps: float, matmul_tflops: float) -> dict:
     total_b = sum(b for b, _ in parts.values())
     total_f = sum(f for _, f in parts.values())
     roof = sum(max(b / copy_tbps, f / matmul_tflops) for b, f in parts.values()) / 1e9
-    return {"floor_ms": total_b / copy_tbps / 1e9, "floor_flops_ms": total_f / matmul_tflops / 1e9,
-            "roofline_ms": roof, "bytes_read": total_b, "flops": total_f}
+    return {
+        "floor_ms": total_b / copy_tbps / 1e9,
+        "floor_flops_ms": total_f / matmul_tflops / 1e9,
+        "roofline_ms": roof,
+        "bytes_read": total_b,
+        "flops": total_f,
+    }
 
 
 def collectives(cfg: ModelConfig, dcfg: DrafterConfig, method: str, budget: int, C: int, n: int):
@@ -366,13 +477,19 @@ def collectives(cfg: ModelConfig, dcfg: DrafterConfig, method: str, budget: int,
     L = 0 if method == "ar" else dcfg.block_size - 1
     tokens = C * (1 + {"ar": 0, "chain": L, "ddtree": budget}[method])
     D = cfg.hidden_size
-    ops_list = [(cfg.num_hidden_layers + cfg.num_dense_layers + 1, tokens * D * 2),   # attn + dense + embed
-                (cfg.num_moe_layers, tokens * D * 4), (cfg.num_moe_layers, tokens * D * 2),
-                (1, tokens * 8)]
+    ops_list = [
+        (cfg.num_hidden_layers + cfg.num_dense_layers + 1, tokens * D * 2),  # attn + dense + embed
+        (cfg.num_moe_layers, tokens * D * 4),
+        (cfg.num_moe_layers, tokens * D * 2),
+        (1, tokens * 8),
+    ]
     if L:
         block, K = dcfg.block_size, (1 if method == "chain" else budget)
-        ops_list += [(1 + 2 * dcfg.num_hidden_layers, C * block * D * 2), (1, C * (L + 1) * D * 2),
-                     (1, C * L * K * 8 * n)]
+        ops_list += [
+            (1 + 2 * dcfg.num_hidden_layers, C * block * D * 2),
+            (1, C * (L + 1) * D * 2),
+            (1, C * L * K * 8 * n),
+        ]
     return ops_list
 
 
@@ -392,8 +509,13 @@ def ceilings(small: bool) -> dict:
     a = [jnp.full((m, m), 0.5 + i, jnp.bfloat16) for i in range(2)]
     dot = jax.jit(lambda x, y: x @ y)
     dot_s = _median_call_s(lambda i: dot(a[i % 2], a[1 - i % 2]), 10 if small else 20)
-    return {"kind": "ceiling", "copy_TBps": 2 * 4 * n / copy_s / 1e12, "copy_bytes": 8 * n,
-            "matmul_bf16_TFLOPs": 2 * m ** 3 / dot_s / 1e12, "matmul_dim": m}
+    return {
+        "kind": "ceiling",
+        "copy_TBps": 2 * 4 * n / copy_s / 1e12,
+        "copy_bytes": 8 * n,
+        "matmul_bf16_TFLOPs": 2 * m**3 / dot_s / 1e12,
+        "matmul_dim": m,
+    }
 
 
 def _median_call_s(call, calls: int, repeats: int = 5) -> float:
@@ -411,8 +533,14 @@ def _median_call_s(call, calls: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-KERNEL_NAMES = {"moe_gate_up": "moe", "moe_down": "moe", "int4_moe_gemm": "moe", "tree_mla": "attention",
-                "tree_build": "tree_build", "tree_accept": "tree_accept"}   # pallas_call names and kernel files
+KERNEL_NAMES = {
+    "moe_gate_up": "moe",
+    "moe_down": "moe",
+    "int4_moe_gemm": "moe",
+    "tree_mla": "attention",
+    "tree_build": "tree_build",
+    "tree_accept": "tree_accept",
+}  # pallas_call names and kernel files
 
 
 def failing_ops(error_text: str) -> tuple[str, ...]:
@@ -477,14 +605,19 @@ class Compiler:
                     lowered = setup.lower_steps(v, impls)
                 compiled = lowered.compile(None if "options" in v.skip else ops.COMPILER_OPTIONS)
                 mem = compiled.memory_analysis()
-                return {"compiled": compiled, "impls": impls, "errors": errors,
-                        "compile_s": time.perf_counter() - start,
-                        "temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
+                return {
+                    "compiled": compiled,
+                    "impls": impls,
+                    "errors": errors,
+                    "compile_s": time.perf_counter() - start,
+                    "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
+                }
             except Exception as error:  # noqa: BLE001 -- one GPU call: keep every other figure
                 text = f"{type(error).__name__}: {error}"
                 ops_failed = failing_ops("".join(traceback.format_exception(error)))
-                errors.append({"stage": "compile", "impls": impls_summary(impls), "ops": ops_failed,
-                               "error": text[:3000]})
+                errors.append(
+                    {"stage": "compile", "impls": impls_summary(impls), "ops": ops_failed, "error": text[:3000]}
+                )
                 print(f"[compile {v.name} C={v.C}] {text[:600]}", flush=True)
                 if all(getattr(impls, op) == "reference" for op in ops_failed):
                     break
@@ -513,8 +646,10 @@ class Runner:
         s = self.setup(v.layers)
         self.compiler.submit(("init", v.layers), lambda: Compiler.compile_jit(s.init_fn()))
         kind = "ar" if v.method == "ar" else "spec"
-        self.compiler.submit(("state", v.layers, v.C, s.cache_len(v), kind),
-                             lambda: Compiler.compile_jit(s.state_fn(v), jax.random.key(0)))
+        self.compiler.submit(
+            ("state", v.layers, v.C, s.cache_len(v), kind),
+            lambda: Compiler.compile_jit(s.state_fn(v), jax.random.key(0)),
+        )
         self.compiler.submit(("step", v), lambda: Compiler.compile_step(s, v, s.impls))
 
     def submit_build(self, v: Variant):
@@ -547,8 +682,11 @@ class Runner:
             self.failed_depths.add(layers)
             self.add({"kind": "error", "layers": layers, "stage": "init", "error": repr(error)[:3000]})
             return None
-        print(f"[init] {layers} layers on the device in {time.perf_counter() - start:.1f}s "
-              f"(compile {entry['compile_s']:.1f}s)", flush=True)
+        print(
+            f"[init] {layers} layers on the device in {time.perf_counter() - start:.1f}s "
+            f"(compile {entry['compile_s']:.1f}s)",
+            flush=True,
+        )
         self.params = (layers, params, dparams)
         return params, dparams
 
@@ -566,14 +704,25 @@ class Runner:
 
     def measure_step(self, v: Variant, reserve: float) -> dict:
         s = self.setup(v.layers)
-        row = {"kind": "step", "variant": v.name, "layers": v.layers, "method": v.method,
-               "B": 0 if v.method == "ar" else s.step_config(v).tree_size, "C": v.C, "context": v.context,
-               "S_max": s.cache_len(v), "tau": s.tau(v)}
+        row = {
+            "kind": "step",
+            "variant": v.name,
+            "layers": v.layers,
+            "method": v.method,
+            "B": 0 if v.method == "ar" else s.step_config(v).tree_size,
+            "C": v.C,
+            "context": v.context,
+            "S_max": s.cache_len(v),
+            "tau": s.tau(v),
+        }
         entry = self._wait(self.compiler.futures[("step", v)], reserve)
         if entry is None:
             return dict(row, skipped="compile not ready before the deadline")
-        row.update(impls=impls_summary(entry["impls"]), compile_s=round(entry["compile_s"], 1),
-                   temp_GB=None if entry.get("temp_bytes") is None else entry["temp_bytes"] / 1e9)
+        row.update(
+            impls=impls_summary(entry["impls"]),
+            compile_s=round(entry["compile_s"], 1),
+            temp_GB=None if entry.get("temp_bytes") is None else entry["temp_bytes"] / 1e9,
+        )
         if entry["errors"]:
             row["errors"] = list(entry["errors"])
         loaded = self.load_params(v.layers) if entry["compiled"] is not None else None
@@ -581,38 +730,58 @@ class Runner:
         if state is None:
             return dict(row, skipped="no executable, parameters or state")
         stats = jax.devices()[0].memory_stats() or {}
-        if entry.get("temp_bytes") and stats.get("bytes_limit") and \
-                stats["bytes_in_use"] + entry["temp_bytes"] > stats["bytes_limit"]:
-            return dict(row, skipped=f"would not fit: {stats['bytes_in_use'] / 1e9:.1f} GB in use + "
-                                     f"{entry['temp_bytes'] / 1e9:.1f} GB temp > {stats['bytes_limit'] / 1e9:.1f} GB")
+        if (
+            entry.get("temp_bytes")
+            and stats.get("bytes_limit")
+            and stats["bytes_in_use"] + entry["temp_bytes"] > stats["bytes_limit"]
+        ):
+            return dict(
+                row,
+                skipped=f"would not fit: {stats['bytes_in_use'] / 1e9:.1f} GB in use + "
+                f"{entry['temp_bytes'] / 1e9:.1f} GB temp > {stats['bytes_limit'] / 1e9:.1f} GB",
+            )
         try:
             timing, state = self._time(entry["compiled"], *loaded, state, v, s)
         except Exception as error:  # noqa: BLE001 -- one GPU call: keep every other figure
-            row.setdefault("errors", []).append({"stage": "run", "impls": row["impls"],
-                                                 "error": f"{type(error).__name__}: {error}"[:3000]})
+            row.setdefault("errors", []).append(
+                {"stage": "run", "impls": row["impls"], "error": f"{type(error).__name__}: {error}"[:3000]}
+            )
             print(f"[run {v.name} C={v.C}] {error!r}"[:600], flush=True)
             return row
         self.states[key] = state
         step_ms = 1e3 * statistics.median(timing["reps"])
         parts = traffic(s.cfg, s.dcfg, v.method, v.budget, v.C, v.context, dtype=s.dtype)
         fl = floor_ms(parts, self.ceil["copy_TBps"], self.ceil["matmul_bf16_TFLOPs"])
-        row.update(steps_per_rep=timing["steps"], step_ms=step_ms, step_ms_reps=[1e3 * t for t in timing["reps"]],
-                   first_call_s=timing["first_call_s"], tau_realised=float(timing["accept"].mean()),
-                   tok_s=row["tau"] * v.C / step_ms * 1e3, **fl, pct_of_floor=100 * fl["floor_ms"] / step_ms,
-                   x_floor=step_ms / fl["floor_ms"], pct_of_roofline=100 * fl["roofline_ms"] / step_ms,
-                   bytes_by_part={p: b for p, (b, _) in parts.items()})
+        row.update(
+            steps_per_rep=timing["steps"],
+            step_ms=step_ms,
+            step_ms_reps=[1e3 * t for t in timing["reps"]],
+            first_call_s=timing["first_call_s"],
+            tau_realised=float(timing["accept"].mean()),
+            tok_s=row["tau"] * v.C / step_ms * 1e3,
+            **fl,
+            pct_of_floor=100 * fl["floor_ms"] / step_ms,
+            x_floor=step_ms / fl["floor_ms"],
+            pct_of_roofline=100 * fl["roofline_ms"] / step_ms,
+            bytes_by_part={p: b for p, (b, _) in parts.items()},
+        )
         return row
 
     def _time(self, compiled, params, dparams, state, v: Variant, s: Setup):
         """One call of one step (warm-up), then `repeats` calls of n steps each; seconds per step."""
+
         def put(x):
             return jax.device_put(x, s.replicated)
 
         def reset(st):
             lengths = np.full((v.C,), v.context, np.int32)
-            return st.replace(cache=st.cache.replace(lengths=put(lengths)), ctx_len=put(lengths),
-                              num_out=put(np.zeros((v.C,), np.int32)), done=put(np.zeros((v.C,), bool)),
-                              step=put(np.int32(0)))
+            return st.replace(
+                cache=st.cache.replace(lengths=put(lengths)),
+                ctx_len=put(lengths),
+                num_out=put(np.zeros((v.C,), np.int32)),
+                done=put(np.zeros((v.C,), bool)),
+                step=put(np.int32(0)),
+            )
 
         def call(st, n):
             st = reset(st)
@@ -647,10 +816,12 @@ class Runner:
         self.record["rows"].append(row)
         write_record(self.record, self.out_path)
         if row.get("kind") == "step" and "step_ms" in row:
-            print(f"[{time.perf_counter() - START:6.1f}s] N={row['layers']} {row['variant']:>20} C={row['C']:>2} "
-                  f"ctx={row['context']:>5}: {row['step_ms']:8.2f} ms  {row['tok_s']:8.1f} tok/s  "
-                  f"floor {row['floor_ms']:7.2f} ms ({row['pct_of_floor']:5.1f}%)  compile {row['compile_s']}s",
-                  flush=True)
+            print(
+                f"[{time.perf_counter() - START:6.1f}s] N={row['layers']} {row['variant']:>20} C={row['C']:>2} "
+                f"ctx={row['context']:>5}: {row['step_ms']:8.2f} ms  {row['tok_s']:8.1f} tok/s  "
+                f"floor {row['floor_ms']:7.2f} ms ({row['pct_of_floor']:5.1f}%)  compile {row['compile_s']}s",
+                flush=True,
+            )
         else:
             print(f"[{time.perf_counter() - START:6.1f}s] {json.dumps(row)[:300]}", flush=True)
 
@@ -708,14 +879,25 @@ def run_plan(args, mesh, record, out_path):
         try:
             runner.add(measure(v, reserve))
         except Exception as error:  # noqa: BLE001 -- one GPU call: keep every other figure
-            runner.add({"kind": "error", "variant": v.name, "C": v.C, "context": v.context, "layers": v.layers,
-                        "error": f"{type(error).__name__}: {error}"[:3000]})
+            runner.add(
+                {
+                    "kind": "error",
+                    "variant": v.name,
+                    "C": v.C,
+                    "context": v.context,
+                    "layers": v.layers,
+                    "error": f"{type(error).__name__}: {error}"[:3000],
+                }
+            )
 
     # Measure only once every compile is done: XLA autotunes dots on the GPU while compiling, which would run
     # beside the timed steps (seen: AR C=8 without MoE at 37 ms instead of ~4 ms).
     cf.wait(list(runner.compiler.futures.values()), timeout=max(0.0, runner.remaining() - 30))
-    print(f"[compiled] {sum(f.done() for f in runner.compiler.futures.values())}/{len(runner.compiler.futures)} "
-          f"executables, {runner.remaining():.0f}s left", flush=True)
+    print(
+        f"[compiled] {sum(f.done() for f in runner.compiler.futures.values())}/{len(runner.compiler.futures)} "
+        f"executables, {runner.remaining():.0f}s left",
+        flush=True,
+    )
     reserve = args.half_reserve_s if halves else 0.0
     for v in main:
         if v.layers in runner.failed_depths:
@@ -744,8 +926,15 @@ def hlo_check(runner: Runner, v: Variant, min_bytes: float = 8e6) -> dict:
     if entry["compiled"] is None:
         return None
     found = large_values(entry["compiled"].as_text(), int(min_bytes))
-    return {"kind": "hlo_check", "variant": v.name, "C": v.C, "layers": v.layers,
-            "min_GB": min_bytes / 1e9, "large_values": found[:80], "count": len(found)}
+    return {
+        "kind": "hlo_check",
+        "variant": v.name,
+        "C": v.C,
+        "layers": v.layers,
+        "min_GB": min_bytes / 1e9,
+        "large_values": found[:80],
+        "count": len(found),
+    }
 
 
 # ---- projection ----------------------------------------------------------------------------------------------
@@ -761,8 +950,13 @@ def project(record) -> list[dict]:
     meta = record["projection_assumptions"]
     n, lat, bw = meta["gpus"], meta["collective_latency_us"], meta["nvlink_busbw_GBps"]
     ceil = record["ceilings"]
-    steps = [r for r in record["rows"] if r.get("kind") == "step" and "step_ms" in r and r["variant"]
-             in ("ar", "chain") + tuple(f"ddtree{b}" for b in range(1, 1025))]
+    steps = [
+        r
+        for r in record["rows"]
+        if r.get("kind") == "step"
+        and "step_ms" in r
+        and r["variant"] in ("ar", "chain") + tuple(f"ddtree{b}" for b in range(1, 1025))
+    ]
     if not steps:
         return []
     N = max(r["layers"] for r in steps)
@@ -770,39 +964,67 @@ def project(record) -> list[dict]:
     dcfg = drafter_config(cfg61, tiny=False)
     cfgN = preset(f"k26-depth{N}")
     dcfgN = drafter_config(cfgN, tiny=False)
-    builds = {(r["C"], r["method"], r["B"]): r["build_ms"] for r in record["rows"] if r.get("kind") == "build"
-              and "build_ms" in r}
+    builds = {
+        (r["C"], r["method"], r["B"]): r["build_ms"]
+        for r in record["rows"]
+        if r.get("kind") == "build" and "build_ms" in r
+    }
     by_key = {(r["layers"], r["method"], r["B"], r["C"], r["context"]): r for r in steps}
     out = []
     for r in steps:
         if r["layers"] != N:
             continue
         build = builds.get((r["C"], r["method"], r["B"]), 0.0)
-        roof_n = floor_ms(traffic(cfgN, dcfgN, r["method"], r["B"], r["C"], r["context"]), ceil["copy_TBps"],
-                          ceil["matmul_bf16_TFLOPs"])["roofline_ms"]
+        roof_n = floor_ms(
+            traffic(cfgN, dcfgN, r["method"], r["B"], r["C"], r["context"]),
+            ceil["copy_TBps"],
+            ceil["matmul_bf16_TFLOPs"],
+        )["roofline_ms"]
         eta = roof_n / max(r["step_ms"] - build, 1e-9)
-        row = {"kind": "projection", "method": r["method"], "B": r["B"], "C": r["C"], "context": r["context"],
-               "tau": r["tau"], "eta_1gpu": eta, "build_ms": build}
-        half = [h for (layers, *rest), h in by_key.items() if tuple(rest) == (r["method"], r["B"], r["C"],
-                                                                              r["context"]) and layers < N]
+        row = {
+            "kind": "projection",
+            "method": r["method"],
+            "B": r["B"],
+            "C": r["C"],
+            "context": r["context"],
+            "tau": r["tau"],
+            "eta_1gpu": eta,
+            "build_ms": build,
+        }
+        half = [
+            h
+            for (layers, *rest), h in by_key.items()
+            if tuple(rest) == (r["method"], r["B"], r["C"], r["context"]) and layers < N
+        ]
         if half:
             h = half[0]
             per_layer = (r["step_ms"] - h["step_ms"]) / (N - h["layers"])
-            row.update(per_layer_ms=per_layer, fixed_ms=r["step_ms"] - N * per_layer,
-                       one_gpu_61_ms=r["step_ms"] + (K26_LAYERS - N) * per_layer)
+            row.update(
+                per_layer_ms=per_layer,
+                fixed_ms=r["step_ms"] - N * per_layer,
+                one_gpu_61_ms=r["step_ms"] + (K26_LAYERS - N) * per_layer,
+            )
         for mode in ("ep", "tp"):
             parts = traffic(cfg61, dcfg, r["method"], r["B"], r["C"], r["context"], n=n, expert_mode=mode)
             floor8 = floor_ms(parts, ceil["copy_TBps"], ceil["matmul_bf16_TFLOPs"])
             coll = collective_ms(collectives(cfg61, dcfg, r["method"], r["B"], r["C"], n), n, lat, bw)
             t8 = floor8["roofline_ms"] / eta + build + coll
             tok_s = r["tau"] * r["C"] / t8 * 1e3
-            row[mode] = {"floor_ms": floor8["floor_ms"], "roofline_ms": floor8["roofline_ms"], "collective_ms": coll,
-                         "step_ms": t8, "tok_s": tok_s,
-                         "routed_GB_per_gpu": parts.get("routed", [0])[0] / 1e9}
+            row[mode] = {
+                "floor_ms": floor8["floor_ms"],
+                "roofline_ms": floor8["roofline_ms"],
+                "collective_ms": coll,
+                "step_ms": t8,
+                "tok_s": tok_s,
+                "routed_GB_per_gpu": parts.get("routed", [0])[0] / 1e9,
+            }
             base = SGLANG_DDTREE_8X_PRO6000.get(r["C"])
             if base and r["method"] == "ddtree":
-                row[mode].update(sglang_tok_s=base, vs_sglang=tok_s / base,
-                                 vs_sglang_per_bandwidth=tok_s / base * PRO6000_TBPS / H200_SPEC_TBPS)
+                row[mode].update(
+                    sglang_tok_s=base,
+                    vs_sglang=tok_s / base,
+                    vs_sglang_per_bandwidth=tok_s / base * PRO6000_TBPS / H200_SPEC_TBPS,
+                )
         row["collective_count"] = sum(c for c, _ in collectives(cfg61, dcfg, r["method"], r["B"], r["C"], n))
         out.append(row)
     return out
@@ -815,16 +1037,31 @@ def bounds(args, ceil: dict) -> list[dict]:
     n, rows = args.gpus, []
     for (method, budget), C, ctx in itertools.product(methods(args), args.concurrency, args.contexts):
         tau = {"ar": 1.0, "chain": args.tau_chain or args.tau, "ddtree": args.tau}[method]
-        row = {"kind": "bound", "method": method, "B": 0 if method == "ar" else budget, "C": C, "context": ctx,
-               "tau": tau}
+        row = {
+            "kind": "bound",
+            "method": method,
+            "B": 0 if method == "ar" else budget,
+            "C": C,
+            "context": ctx,
+            "tau": tau,
+        }
         for mode in ("ep", "tp"):
-            fl = floor_ms(traffic(cfg61, dcfg, method, budget, C, ctx, n=n, expert_mode=mode), ceil["copy_TBps"],
-                          ceil["matmul_bf16_TFLOPs"])
-            coll = collective_ms(collectives(cfg61, dcfg, method, budget, C, n), n, args.collective_us,
-                                 args.nvlink_GBps)
+            fl = floor_ms(
+                traffic(cfg61, dcfg, method, budget, C, ctx, n=n, expert_mode=mode),
+                ceil["copy_TBps"],
+                ceil["matmul_bf16_TFLOPs"],
+            )
+            coll = collective_ms(
+                collectives(cfg61, dcfg, method, budget, C, n), n, args.collective_us, args.nvlink_GBps
+            )
             step = fl["roofline_ms"] + coll
-            row[mode] = {"floor_ms": fl["floor_ms"], "roofline_ms": fl["roofline_ms"], "collective_ms": coll,
-                         "step_ms": step, "tok_s": tau * C / step * 1e3}
+            row[mode] = {
+                "floor_ms": fl["floor_ms"],
+                "roofline_ms": fl["roofline_ms"],
+                "collective_ms": coll,
+                "step_ms": step,
+                "tok_s": tau * C / step * 1e3,
+            }
         rows.append(row)
     return rows
 
@@ -837,7 +1074,7 @@ def oracle_propose(trajectories, depth: int, noise: float, seed: int = 0):
     def propose(params, dparams, state):
         C, V = traj.shape[0], params["lm_head"].shape[1]
         idx = jnp.minimum(state.cache.lengths[:, None] + 1 + jnp.arange(depth)[None], traj.shape[1] - 1)
-        true = jnp.take_along_axis(traj, idx, axis=1)                                       # [C, depth]
+        true = jnp.take_along_axis(traj, idx, axis=1)  # [C, depth]
         k_noise, k_drop = jax.random.split(jax.random.fold_in(jax.random.key(seed), state.step))
         boost = jnp.where(jax.random.uniform(k_drop, true.shape) < noise, 0.0, 8.0)
         logits = jax.random.normal(k_noise, (C, depth, V))
@@ -852,23 +1089,34 @@ def greedy_agreement(model, prompts, max_new: int, methods_budgets, drafters=("d
     ar = generate(model, prompts, max_new_tokens=max_new, method="ar").tokens
     safe = []
     for p, t in zip(prompts, ar):
-        logits = np.asarray(model.logits(np.array([p + t])))[0, len(p) - 1:-1]
+        logits = np.asarray(model.logits(np.array([p + t])))[0, len(p) - 1 : -1]
         top2 = np.sort(logits, -1)[:, -2:]
         tie = np.nonzero(top2[:, 1] - top2[:, 0] < 1e-4)[0]
         safe.append(int(tie[0]) if tie.size else len(t))
     width = max(len(p) + len(t) for p, t in zip(prompts, ar)) + model.drafter_cfg.block_size + 1
     traj = np.zeros((len(prompts), width), np.int32)
     for i, (p, t) in enumerate(zip(prompts, ar)):
-        traj[i, :len(p) + len(t)] = p + t
+        traj[i, : len(p) + len(t)] = p + t
     proposers = {"dflash": None, "oracle": oracle_propose(traj, model.drafter_cfg.block_size - 1, noise=0.3)}
     rows = []
     for (method, budget), drafter in itertools.product(methods_budgets, drafters):
         propose = proposers[drafter]
         res = generate(model, prompts, max_new_tokens=max_new, method=method, budget=budget, propose=propose)
         same = [a[:k] == b[:k] for a, b, k in zip(ar, res.tokens, safe)]
-        rows.append({"kind": "correctness", "method": method, "B": budget, "drafter": drafter,
-                     "expert_mode": model.impls.expert_mode, "devices": model.mesh.size, "equal_to_ar": all(same),
-                     "compared_tokens": safe, "steps": res.stats["steps"], "tau_real": res.stats["tau"]})
+        rows.append(
+            {
+                "kind": "correctness",
+                "method": method,
+                "B": budget,
+                "drafter": drafter,
+                "expert_mode": model.impls.expert_mode,
+                "devices": model.mesh.size,
+                "equal_to_ar": all(same),
+                "compared_tokens": safe,
+                "steps": res.stats["steps"],
+                "tau_real": res.stats["tau"],
+            }
+        )
     return rows
 
 
@@ -897,35 +1145,54 @@ def table(record) -> str:
     lines = ["| N | variant | C | ctx | step ms | tok/s | floor ms | % floor |", "|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         if r.get("kind") == "step" and "step_ms" in r:
-            lines.append(f"| {r['layers']} | {r['variant']} | {r['C']} | {r['context']} | {r['step_ms']:.2f} | "
-                         f"{r['tok_s']:.0f} | {r['floor_ms']:.2f} | {r['pct_of_floor']:.0f}% |")
+            lines.append(
+                f"| {r['layers']} | {r['variant']} | {r['C']} | {r['context']} | {r['step_ms']:.2f} | "
+                f"{r['tok_s']:.0f} | {r['floor_ms']:.2f} | {r['pct_of_floor']:.0f}% |"
+            )
     proj = [r for r in record["rows"] if r.get("kind") == "projection"]
     if proj:
-        lines += ["", "| 61L x 8 GPU | C | ctx | EP ms | EP tok/s | TP ms | TP tok/s | coll ms | vs SGLang (EP) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| 61L x 8 GPU | C | ctx | EP ms | EP tok/s | TP ms | TP tok/s | coll ms | vs SGLang (EP) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in proj:
             name = f"ddtree{r['B']}" if r["method"] == "ddtree" else r["method"]
             vs = r["ep"].get("vs_sglang")
-            lines.append(f"| {name} | {r['C']} | {r['context']} | {r['ep']['step_ms']:.2f} | {r['ep']['tok_s']:.0f} |"
-                         f" {r['tp']['step_ms']:.2f} | {r['tp']['tok_s']:.0f} | {r['ep']['collective_ms']:.2f} | "
-                         f"{'' if vs is None else f'{vs:.2f}x'} |")
+            lines.append(
+                f"| {name} | {r['C']} | {r['context']} | {r['ep']['step_ms']:.2f} | {r['ep']['tok_s']:.0f} |"
+                f" {r['tp']['step_ms']:.2f} | {r['tp']['tok_s']:.0f} | {r['ep']['collective_ms']:.2f} | "
+                f"{'' if vs is None else f'{vs:.2f}x'} |"
+            )
     return "\n".join(lines)
 
 
 def _commit() -> str:
     """HEAD, marked "+uncommitted" when tracked files differ from it (as on a device copy of a working tree)."""
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
-                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    git = lambda *a: subprocess.run(
+        ["git", *a], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__))
+    ).stdout.strip()
     try:
         return (git("rev-parse", "--short", "HEAD") or "unknown") + (
-            "+uncommitted" if git("status", "--porcelain", "--untracked-files=no") else "")
+            "+uncommitted" if git("status", "--porcelain", "--untracked-files=no") else ""
+        )
     except OSError:
         return "unknown"
 
 
-CPU_MESH8_DEFAULTS = dict(preset="tiny", out="bench/results/e2e_cpu_mesh8.json", layers=4, budgets=[8, 16],
-                          concurrency=[2, 1], contexts=[64, 160], ablate_at=[2], half_at=[2], deadline_s=1e9,
-                          repeats=2, rep_seconds=0.05)
+CPU_MESH8_DEFAULTS = dict(
+    preset="tiny",
+    out="bench/results/e2e_cpu_mesh8.json",
+    layers=4,
+    budgets=[8, 16],
+    concurrency=[2, 1],
+    contexts=[64, 160],
+    ablate_at=[2],
+    half_at=[2],
+    deadline_s=1e9,
+    repeats=2,
+    rep_seconds=0.05,
+)
 
 
 def parse_args(argv=None):
@@ -952,10 +1219,20 @@ def parse_args(argv=None):
     ap.add_argument("--pallas-interpret", action="store_true", help="Pallas kernels in interpret mode (CPU)")
     ap.add_argument("--cpu-mesh8", action="store_true", help="tiny shapes on 8 emulated CPU devices")
     ap.add_argument("--cpu-new-tokens", type=int, default=24)
-    ap.add_argument("--correctness-modes", nargs="*", default=list(sharding.EXPERT_MODES),
-                    choices=sharding.EXPERT_MODES, help="expert layouts checked against AR (--cpu-mesh8)")
-    ap.add_argument("--correctness-drafters", nargs="+", default=["dflash", "oracle"], choices=("dflash", "oracle"),
-                    help="the random DFlash drafter (accepts ~1 token) and a noisy oracle (multi-token accepts)")
+    ap.add_argument(
+        "--correctness-modes",
+        nargs="*",
+        default=list(sharding.EXPERT_MODES),
+        choices=sharding.EXPERT_MODES,
+        help="expert layouts checked against AR (--cpu-mesh8)",
+    )
+    ap.add_argument(
+        "--correctness-drafters",
+        nargs="+",
+        default=["dflash", "oracle"],
+        choices=("dflash", "oracle"),
+        help="the random DFlash drafter (accepts ~1 token) and a noisy oracle (multi-token accepts)",
+    )
     ap.add_argument("--project", default=None, help="recompute the projection rows of this record and exit")
     ap.add_argument("--bounds", action="store_true", help="print the 61-layer 8-GPU roofline bounds and exit")
     ap.add_argument("--gpus", type=int, default=8)
@@ -973,17 +1250,22 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.setswitchinterval(5e-4)   # compile threads hold the GIL briefly: keep the timed thread's waits short
-    assumptions = {"gpus": args.gpus, "collective_latency_us": args.collective_us,
-                   "nvlink_busbw_GBps": args.nvlink_GBps}
+    sys.setswitchinterval(5e-4)  # compile threads hold the GIL briefly: keep the timed thread's waits short
+    assumptions = {
+        "gpus": args.gpus,
+        "collective_latency_us": args.collective_us,
+        "nvlink_busbw_GBps": args.nvlink_GBps,
+    }
     if args.bounds:
         rows = bounds(args, {"copy_TBps": 4.0, "matmul_bf16_TFLOPs": 620.0})
         print("| 61L x 8 GPU bound | C | ctx | EP roofline ms | coll ms | EP tok/s | TP roofline ms | TP tok/s |")
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             name = f"ddtree{r['B']}" if r["method"] == "ddtree" else r["method"]
-            print(f"| {name} | {r['C']} | {r['context']} | {r['ep']['roofline_ms']:.2f} | {r['ep']['collective_ms']:.2f}"
-                  f" | {r['ep']['tok_s']:.0f} | {r['tp']['roofline_ms']:.2f} | {r['tp']['tok_s']:.0f} |")
+            print(
+                f"| {name} | {r['C']} | {r['context']} | {r['ep']['roofline_ms']:.2f} | {r['ep']['collective_ms']:.2f}"
+                f" | {r['ep']['tok_s']:.0f} | {r['tp']['roofline_ms']:.2f} | {r['tp']['tok_s']:.0f} |"
+            )
         return 0
     if args.project:
         with open(args.project) as f:
@@ -994,18 +1276,31 @@ def main(argv=None) -> int:
         print(table(record))
         return 0
     mesh = sharding.make_mesh()
-    record = {"device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "backend": jax.default_backend(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": _commit(), "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "jax": jax.__version__, "args": vars(args), "projection_assumptions": assumptions, "rows": []}
+    record = {
+        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "backend": jax.default_backend(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "command": " ".join(sys.argv),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax": jax.__version__,
+        "args": vars(args),
+        "projection_assumptions": assumptions,
+        "rows": [],
+    }
     if jax.default_backend() == "cpu":
         record["note"] = "CPU: timings are not meaningful; this run checks correctness and the measurement path"
     small = jax.default_backend() == "cpu"
     try:
         record["ceilings"] = ceilings(small)
     except Exception as error:  # noqa: BLE001 -- keep going with the figures DESIGN.md quotes for this H200
-        record["ceilings"] = {"kind": "ceiling", "copy_TBps": 4.0, "matmul_bf16_TFLOPs": 620.0,
-                              "error": f"{type(error).__name__}: {error}"[:1000], "source": "DESIGN.md"}
+        record["ceilings"] = {
+            "kind": "ceiling",
+            "copy_TBps": 4.0,
+            "matmul_bf16_TFLOPs": 620.0,
+            "error": f"{type(error).__name__}: {error}"[:1000],
+            "source": "DESIGN.md",
+        }
     record["rows"].append(record["ceilings"])
     print(f"[ceilings] {record['ceilings']}", flush=True)
     if args.cpu_mesh8:

@@ -13,6 +13,7 @@ call's input, routings rotate), median of repeats; the touched weights of one ca
 GPU:  PYTHONPATH=. python3 scripts/bench_moe_gemm.py --race mosaic --out bench/results/moe_gemm_h200.json
 CPU:  PYTHONPATH=. .venv/bin/python scripts/bench_moe_gemm.py --quick   (tiny shapes, interpret mode)
 """
+
 import argparse
 import concurrent.futures
 import dataclasses
@@ -42,50 +43,72 @@ SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 T = moe.Tiling
 TILINGS = {  # named candidates; all use the PTX bf16x2 dequant; "_nf" = N tiles fastest in launch order
     "pair_n64": T(per_pair=True, block_n_gate_up=64, block_n_down=128, dequant="asm"),
-    "pair_n64_kw16": T(per_pair=True, block_n_gate_up=64, block_n_down=128, block_kw_gate_up=16, block_kw_down=16,
-                       dequant="asm"),
-    "pair_n64_kw16_s4": T(per_pair=True, block_n_gate_up=64, block_n_down=128, block_kw_gate_up=16,
-                          block_kw_down=16, num_stages=4, dequant="asm"),
+    "pair_n64_kw16": T(
+        per_pair=True, block_n_gate_up=64, block_n_down=128, block_kw_gate_up=16, block_kw_down=16, dequant="asm"
+    ),
+    "pair_n64_kw16_s4": T(
+        per_pair=True,
+        block_n_gate_up=64,
+        block_n_down=128,
+        block_kw_gate_up=16,
+        block_kw_down=16,
+        num_stages=4,
+        dequant="asm",
+    ),
     "m16_n64": T(block_m=16, dequant="asm"),
     "m16_n64_nf": T(block_m=16, n_fastest=True, dequant="asm"),
     "m16_n64_kw16_nf": T(block_m=16, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, dequant="asm"),
-    "m16_n64_kw16_s4_nf": T(block_m=16, block_kw_gate_up=16, block_kw_down=16, num_stages=4, n_fastest=True,
-                            dequant="asm"),
+    "m16_n64_kw16_s4_nf": T(
+        block_m=16, block_kw_gate_up=16, block_kw_down=16, num_stages=4, n_fastest=True, dequant="asm"
+    ),
     "m16_n64_d64_nf": T(block_m=16, block_n_down=64, n_fastest=True, dequant="asm"),
     "m32_n64_nf": T(block_m=32, n_fastest=True, dequant="asm"),
     "m32_n64_d64_nf": T(block_m=32, block_n_down=64, n_fastest=True, dequant="asm"),
     "m32_n64_kw16_nf": T(block_m=32, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, dequant="asm"),
-    "m32_n64_kw16_s4_nf": T(block_m=32, block_kw_gate_up=16, block_kw_down=16, num_stages=4, n_fastest=True,
-                            dequant="asm"),
-    "m32_n128_w8_nf": T(block_m=32, block_n_gate_up=128, block_n_down=256, num_warps=8, n_fastest=True,
-                        dequant="asm"),
+    "m32_n64_kw16_s4_nf": T(
+        block_m=32, block_kw_gate_up=16, block_kw_down=16, num_stages=4, n_fastest=True, dequant="asm"
+    ),
+    "m32_n128_w8_nf": T(block_m=32, block_n_gate_up=128, block_n_down=256, num_warps=8, n_fastest=True, dequant="asm"),
     # "_swap": weights as the MMA's register operand (out^T = w^T x^T), so Triton emits wgmma
     "m16_n64_swap_nf": T(block_m=16, n_fastest=True, swap_ab=True, dequant="asm"),
-    "m16_n64_kw16_swap_nf": T(block_m=16, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True,
-                              dequant="asm"),
+    "m16_n64_kw16_swap_nf": T(
+        block_m=16, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True, dequant="asm"
+    ),
     "m32_n64_swap_nf": T(block_m=32, n_fastest=True, swap_ab=True, dequant="asm"),
-    "m32_n64_kw16_swap_nf": T(block_m=32, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True,
-                              dequant="asm"),
-    "m32_n64_kw16_s4_swap_nf": T(block_m=32, block_kw_gate_up=16, block_kw_down=16, num_stages=4, n_fastest=True,
-                                 swap_ab=True, dequant="asm"),
-    "m64_n64_kw16_swap_nf": T(block_m=64, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True,
-                              dequant="asm"),
-    "m64_n128_kw16_w8_swap_nf": T(block_m=64, block_n_gate_up=128, block_n_down=256, block_kw_gate_up=16,
-                                  block_kw_down=16, num_warps=8, n_fastest=True, swap_ab=True, dequant="asm"),
+    "m32_n64_kw16_swap_nf": T(
+        block_m=32, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True, dequant="asm"
+    ),
+    "m32_n64_kw16_s4_swap_nf": T(
+        block_m=32, block_kw_gate_up=16, block_kw_down=16, num_stages=4, n_fastest=True, swap_ab=True, dequant="asm"
+    ),
+    "m64_n64_kw16_swap_nf": T(
+        block_m=64, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True, dequant="asm"
+    ),
+    "m64_n128_kw16_w8_swap_nf": T(
+        block_m=64,
+        block_n_gate_up=128,
+        block_n_down=256,
+        block_kw_gate_up=16,
+        block_kw_down=16,
+        num_warps=8,
+        n_fastest=True,
+        swap_ab=True,
+        dequant="asm",
+    ),
 }
 SWAP_RACE = {  # run 8: swapped-operand (wgmma) candidates against the current defaults
     16: ("m16_n64_nf", "m16_n64_swap_nf", "m16_n64_kw16_swap_nf"),
     128: ("m16_n64_nf", "m16_n64_swap_nf", "m16_n64_kw16_swap_nf", "m32_n64_kw16_swap_nf"),
     256: ("m16_n64_nf", "m16_n64_swap_nf", "m16_n64_kw16_swap_nf", "m32_n64_kw16_swap_nf"),
     512: ("m16_n64_nf", "m16_n64_swap_nf", "m16_n64_kw16_swap_nf", "m32_n64_kw16_swap_nf", "m32_n64_swap_nf"),
-    1024: ("m32_n64_nf", "m32_n64_swap_nf", "m32_n64_kw16_swap_nf", "m32_n64_kw16_s4_swap_nf",
-           "m64_n64_kw16_swap_nf"),
+    1024: ("m32_n64_nf", "m32_n64_swap_nf", "m32_n64_kw16_swap_nf", "m32_n64_kw16_s4_swap_nf", "m64_n64_kw16_swap_nf"),
     4096: ("m32_n128_w8_nf", "m64_n64_kw16_swap_nf", "m64_n128_kw16_w8_swap_nf"),
 }
 MOSAIC = {  # int4_moe_mosaic.fused_moe_mosaic's arguments; "_full": every block multiplies all block_m rows
     **{f"mosaic_m{block_m}": dict(block_m=block_m) for block_m in (16, 32, 64)},
     **{f"mosaic_m{block_m}_full": dict(block_m=block_m, width_step=block_m) for block_m in (16, 32, 64)},
-    "mosaic_m64_s16": dict(block_m=64, width_step=16)}
+    "mosaic_m64_s16": dict(block_m=64, width_step=16),
+}
 WIDTHS_RACE = {  # run 18: each block's valid rows rounded up to a wgmma width against all block_m rows; run 19: sizes
     8: ("mosaic_m16", "mosaic_m16_full"),
     64: ("mosaic_m16", "mosaic_m16_full"),
@@ -120,8 +143,14 @@ CANDIDATES = {  # raced per M (the wrapper's choose_tiling is set from these res
     64: ("m16_n64_nf", "m16_n64_kw16_nf", "m16_n64_kw16_s4_nf"),
     128: ("m16_n64_nf", "m16_n64_kw16_nf", "m16_n64_kw16_s4_nf", "m32_n64_kw16_s4_nf", "m16_n64_d64_nf"),
     256: ("m16_n64_nf", "m16_n64_kw16_nf", "m16_n64_kw16_s4_nf", "m32_n64_kw16_s4_nf", "m16_n64_d64_nf"),
-    512: ("m16_n64_nf", "m16_n64_kw16_s4_nf", "m32_n64_kw16_nf", "m32_n64_kw16_s4_nf", "m16_n64_d64_nf",
-          "m32_n64_d64_nf"),
+    512: (
+        "m16_n64_nf",
+        "m16_n64_kw16_s4_nf",
+        "m32_n64_kw16_nf",
+        "m32_n64_kw16_s4_nf",
+        "m16_n64_d64_nf",
+        "m32_n64_d64_nf",
+    ),
     1024: ("m32_n64_nf", "m32_n64_kw16_nf", "m32_n64_kw16_s4_nf", "m16_n64_kw16_s4_nf", "m32_n64_d64_nf"),
     4096: ("m64_n64_kw16_swap_nf", "m32_n128_w8_nf", "m32_n64_kw16_s4_nf"),
 }
@@ -135,10 +164,12 @@ def random_weights(key, num_experts, d, i):
     bits = lambda k, shape: jax.lax.bitcast_convert_type(jax.random.bits(k, shape, jnp.uint32), jnp.int32)
     w13_packed = bits(k13, (num_experts, d // 8, 2, i))
     w2_packed = bits(k2, (num_experts, i // 8, d))
-    w13_scale = (jax.random.uniform(ks13, (num_experts, d // 32, 2, i), minval=0.5, maxval=1.5)
-                 / (4 * d ** 0.5)).astype(jnp.bfloat16)
-    w2_scale = (jax.random.uniform(ks2, (num_experts, i // 32, d), minval=0.5, maxval=1.5)
-                / (4 * i ** 0.5)).astype(jnp.bfloat16)
+    w13_scale = (jax.random.uniform(ks13, (num_experts, d // 32, 2, i), minval=0.5, maxval=1.5) / (4 * d**0.5)).astype(
+        jnp.bfloat16
+    )
+    w2_scale = (jax.random.uniform(ks2, (num_experts, i // 32, d), minval=0.5, maxval=1.5) / (4 * i**0.5)).astype(
+        jnp.bfloat16
+    )
     return w13_packed, w13_scale, w2_packed, w2_scale
 
 
@@ -182,19 +213,23 @@ def ragged_dot_moe(x, topk_ids, topk_weights, w13_bf16, w2_bf16):
     group_sizes = jnp.bincount(flat, length=w13_bf16.shape[0]).astype(jnp.int32)
     gate_up = jax.lax.ragged_dot(x[token], w13_bf16, group_sizes, preferred_element_type=jnp.float32)
     gate, up = jnp.split(gate_up, 2, axis=1)
-    out = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), w2_bf16, group_sizes,
-                             preferred_element_type=jnp.float32)
+    out = jax.lax.ragged_dot(
+        (jax.nn.silu(gate) * up).astype(x.dtype), w2_bf16, group_sizes, preferred_element_type=jnp.float32
+    )
     out = out * topk_weights.reshape(-1)[order][:, None]
     return jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token].add(out).astype(x.dtype)
 
 
 def chained_loop(moe_fn, num_iters):
     """jit(x, ids [R, M, k], weights [R, M, k], *experts) running num_iters chained calls, routing i % R."""
+
     def run(x, ids, weights, *experts):
         def body(it, x):
             r = it % ids.shape[0]
             return moe_fn(x, ids[r], weights[r], *experts)
+
         return jax.lax.fori_loop(0, num_iters, body, x, unroll=min(num_iters, 4))
+
     return jax.jit(run)
 
 
@@ -220,7 +255,7 @@ def matmul_ceiling(n, repeats):
     a = jnp.ones((n, n), jnp.bfloat16)
     b = jnp.full((n, n), 1.0 / n, jnp.bfloat16)
     loop = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, lambda _, v: v @ b, a))
-    return 2 * n ** 3 / median_seconds(loop.lower(a, b).compile(), (a, b), 10, repeats)
+    return 2 * n**3 / median_seconds(loop.lower(a, b).compile(), (a, b), 10, repeats)
 
 
 def rel_err(y, y_ref):
@@ -237,11 +272,18 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=200.0, help="start no new case after this many s")
     parser.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse)")
-    parser.add_argument("--race", choices=("default", "swap", "mosaic", "widths"), default="default",
-                        help="candidate set per M: CANDIDATES (default), SWAP_RACE, MOSAIC_RACE or WIDTHS_RACE")
-    parser.add_argument("--base-module", default=None,
-                        help="a copy of int4_moe_mosaic.py from another revision: every Mosaic case also runs "
-                             "with it, as '<name>@base' (a same-run A/B)")
+    parser.add_argument(
+        "--race",
+        choices=("default", "swap", "mosaic", "widths"),
+        default="default",
+        help="candidate set per M: CANDIDATES (default), SWAP_RACE, MOSAIC_RACE or WIDTHS_RACE",
+    )
+    parser.add_argument(
+        "--base-module",
+        default=None,
+        help="a copy of int4_moe_mosaic.py from another revision: every Mosaic case also runs "
+        "with it, as '<name>@base' (a same-run A/B)",
+    )
     args = parser.parse_args()
     base = None
     if args.base_module:
@@ -256,11 +298,18 @@ def main():
     sweep = tuple(int(m) for m in args.ms.split(",")) if args.ms else ((1, 4, 32) if args.quick else SWEEP)
     device = jax.devices()[0]
     out_path = args.out or f"bench/results/moe_gemm_{'cpu_quick' if args.quick else device.device_kind}.json"
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip()
-    record = {"device": device.device_kind, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "commit": commit or "unknown", "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-              "shapes": shapes, "rows": []}
+    commit = (
+        args.commit
+        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    )
+    record = {
+        "device": device.device_kind,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit or "unknown",
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "shapes": shapes,
+        "rows": [],
+    }
 
     def save():
         os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
@@ -300,8 +349,12 @@ def main():
                     cases.append((name + suffix, "mosaic", m, fn, experts, None))
     if not args.no_baselines:
         k4a, k4b, kba, kbb = jax.random.split(jax.random.fold_in(key, 7), 4)
-        int4 = (jax.random.randint(k4a, (num_experts, d, 2 * i), -8, 8, jnp.int8).astype(jnp.int4), experts[1],
-                jax.random.randint(k4b, (num_experts, i, d), -8, 8, jnp.int8).astype(jnp.int4), experts[3])
+        int4 = (
+            jax.random.randint(k4a, (num_experts, d, 2 * i), -8, 8, jnp.int8).astype(jnp.int4),
+            experts[1],
+            jax.random.randint(k4b, (num_experts, i, d), -8, 8, jnp.int8).astype(jnp.int4),
+            experts[3],
+        )
         for m in routings if args.quick else [m for m in BASELINE_MS if m in routings]:
             cases.append(("xla_unpack_int32_einsum", "baseline", m, moe.fused_moe_reference, experts, None))
             cases.append(("xla_jnp_int4_einsum", "baseline", m, xla_int4_moe, int4, None))
@@ -339,7 +392,8 @@ def main():
         if tiling is not None:
             row["tiling"] = dataclasses.asdict(tiling)
             row["default"] = not wrapper_block_m and tiling == moe.fit_tiling(
-                moe.choose_tiling(m, top_k, routings[m][0].dtype, interpret), d, i)
+                moe.choose_tiling(m, top_k, routings[m][0].dtype, interpret), d, i
+            )
         elif kind == "mosaic":
             row["default"] = MOSAIC.get(name) == dict(block_m=wrapper_block_m)
         if error:
@@ -353,8 +407,12 @@ def main():
                 row["rel_err_vs_reference"] = rel_err(y, references[m])
                 row["finite"] = bool(np.isfinite(np.asarray(y, np.float32)).all())
             seconds = median_seconds(loop, (x, ids, weights, *operands), iters_for(kind, m), args.repeats)
-            row.update(time_s=seconds, us_per_token=seconds / m * 1e6, pct_of_floor=100 * floor / seconds,
-                       effective_tb_per_s=nbytes / seconds / 1e12)
+            row.update(
+                time_s=seconds,
+                us_per_token=seconds / m * 1e6,
+                pct_of_floor=100 * floor / seconds,
+                effective_tb_per_s=nbytes / seconds / 1e12,
+            )
         record["rows"].append(row)
         save()
         print(json.dumps(row), flush=True)
@@ -371,25 +429,31 @@ def main():
         measure(case, result)
     if not args.no_baselines:  # last and one at a time: XLA autotunes these dense dots on copies of the weights
         del int4
-        bf16 = (jax.random.normal(kba, (num_experts, d, 2 * i), jnp.bfloat16) * 0.01,
-                jax.random.normal(kbb, (num_experts, i, d), jnp.bfloat16) * 0.01)
+        bf16 = (
+            jax.random.normal(kba, (num_experts, d, 2 * i), jnp.bfloat16) * 0.01,
+            jax.random.normal(kbb, (num_experts, i, d), jnp.bfloat16) * 0.01,
+        )
         for m in routings if args.quick else [m for m in RAGGED_MS if m in routings]:
             if time.perf_counter() - t_start > args.budget_s:
                 break
             case = ("ragged_dot_bf16", "baseline", m, ragged_dot_moe, bf16, None)
             measure(case, compile_case(case))
 
-    print(f"\n{'M':>5} {'case (* = default)':<24} {'time us':>9} {'floor us':>9} {'% floor':>8} {'us/tok':>8} "
-          f"{'TB/s':>6} {'err':>8}")
+    print(
+        f"\n{'M':>5} {'case (* = default)':<24} {'time us':>9} {'floor us':>9} {'% floor':>8} {'us/tok':>8} "
+        f"{'TB/s':>6} {'err':>8}"
+    )
     for row in record["rows"]:
         if "error" in row:
             print(f"{row['M']:>5} {row['name']:<24} ERROR {row['error'][:90]}")
             continue
         err = row.get("rel_err_vs_reference")
         name = row["name"] + (" *" if row.get("default") else "")
-        print(f"{row['M']:>5} {name:<24} {row['time_s'] * 1e6:>9.1f} {row['floor_s'] * 1e6:>9.1f} "
-              f"{row['pct_of_floor']:>8.1f} {row['us_per_token']:>8.2f} {row['effective_tb_per_s']:>6.2f} "
-              f"{'' if err is None else f'{err:.1e}':>8}")
+        print(
+            f"{row['M']:>5} {name:<24} {row['time_s'] * 1e6:>9.1f} {row['floor_s'] * 1e6:>9.1f} "
+            f"{row['pct_of_floor']:>8.1f} {row['us_per_token']:>8.2f} {row['effective_tb_per_s']:>6.2f} "
+            f"{'' if err is None else f'{err:.1e}':>8}"
+        )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Same routing (`sort_routing`, 16-row blocks), same grid and launch order (N tiles fastest) and the same
 [32 words, 64 columns] K steps as `int4_moe_gemm`'s gate_up kernel, but no dequant and no MMA: each program
-sums its packed tiles (as bf16 values, through a dot so the loads are pipelined) and stores one row. Two layouts are streamed:
+sums its packed tiles (as bf16 values, through a dot so the loads are pipelined) and stores one row.
+Two layouts are streamed:
   * "checkpoint": w13_packed [E, D/8, 2, I] as on disk, so a K step reads 64 pieces of 256 B, 16 KB apart;
   * "tile_major": the same words re-laid out [E, D/8/32, I/64, 2, 32, 64], so a K step reads 16 KB in one piece.
 Bandwidth over the copy ceiling of the same run says whether the access pattern (a converter re-layout would
@@ -11,6 +12,7 @@ fix it) or the in-kernel work (dequant, MMA) keeps the real kernel near 70-80% o
 GPU:  PYTHONPATH=. python3 scripts/bench_moe_stream.py --out bench/results/moe_stream_h200.json
 CPU:  PYTHONPATH=. .venv/bin/python scripts/bench_moe_stream.py --quick   (tiny shapes, interpret mode)
 """
+
 import argparse
 import datetime
 import functools
@@ -46,7 +48,8 @@ def _stream_kernel(block_expert_ref, w_ref, out_ref, *, num_experts, tile_major)
     (exact in bf16 and float32, so the checksum is exact on any backend).
 
     The tiles feed a dot (ones @ tile), so Triton pipelines their loads with cp.async as in the real kernel;
-    the only other work is an XOR, an AND and an int -> bf16 convert a word (the real kernel: ~16 instructions a word)."""
+    the only other work is an XOR, an AND and an int -> bf16 convert a word
+    (the real kernel: ~16 instructions a word)."""
     n, b = pl.program_id(0), pl.program_id(1)
     expert = block_expert_ref[b]
 
@@ -77,7 +80,8 @@ def stream(weights, topk_ids, *, tile_major, interpret=False):
         functools.partial(_stream_kernel, num_experts=num_experts, tile_major=tile_major),
         out_shape=jax.ShapeDtypeStruct((num_blocks, i), jnp.float32),
         grid=(i // BLOCK_N, num_blocks),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret,
         name="moe_stream",
     )(route.block_expert, weights)
 
@@ -105,9 +109,14 @@ def main():
     w13 = jax.lax.bitcast_convert_type(jax.random.bits(key, (num_experts, d // 8, 2, i), jnp.uint32), jnp.int32)
     layouts = {"checkpoint": w13, "tile_major": jax.block_until_ready(to_tile_major(w13))}
     copy_bw = bench.copy_ceiling((1 << 24) if args.quick else (8 << 30), args.repeats)
-    record = dict(device=jax.devices()[0].device_kind, commit=args.commit, command=" ".join(["python3", *sys.argv]),
-                  date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                  copy_bytes_per_s=copy_bw, rows=[])
+    record = dict(
+        device=jax.devices()[0].device_kind,
+        commit=args.commit,
+        command=" ".join(["python3", *sys.argv]),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        copy_bytes_per_s=copy_bw,
+        rows=[],
+    )
     print(f"copy ceiling {copy_bw / 1e12:.3f} TB/s", flush=True)
     for m in (int(v) for v in args.ms.split(",")):
         ids = bench.random_routings(jax.random.fold_in(key, m), 4, m, num_experts, top_k)[0]
@@ -118,15 +127,25 @@ def main():
             fn = functools.partial(stream, tile_major=name == "tile_major", interpret=args.quick)
             route = moe.sort_routing(ids[0].reshape(-1), num_experts, BLOCK_M)
             got = np.asarray(jax.jit(fn)(weights, ids[0]))
-            ok = all(np.array_equal(got[b], expected[int(e)])
-                     for b, e in enumerate(np.asarray(route.block_expert)) if e >= 0)
+            ok = all(
+                np.array_equal(got[b], expected[int(e)]) for b, e in enumerate(np.asarray(route.block_expert)) if e >= 0
+            )
             num_iters = 2 if args.quick else 20
-            loop = jax.jit(lambda w, ids: jax.lax.fori_loop(
-                0, num_iters, lambda it, acc: acc + fn(w, ids[it % ids.shape[0]])[0, 0], jnp.float32(0)))
-            seconds = bench.median_seconds(loop.lower(weights, ids).compile(), (weights, ids), num_iters,
-                                           args.repeats)
-            row = dict(M=m, layout=name, time_s=seconds, touched_bytes=nbytes, checksum_ok=bool(ok),
-                       tb_per_s=nbytes / seconds / 1e12, pct_of_copy=100 * nbytes / seconds / copy_bw)
+            loop = jax.jit(
+                lambda w, ids: jax.lax.fori_loop(
+                    0, num_iters, lambda it, acc: acc + fn(w, ids[it % ids.shape[0]])[0, 0], jnp.float32(0)
+                )
+            )
+            seconds = bench.median_seconds(loop.lower(weights, ids).compile(), (weights, ids), num_iters, args.repeats)
+            row = dict(
+                M=m,
+                layout=name,
+                time_s=seconds,
+                touched_bytes=nbytes,
+                checksum_ok=bool(ok),
+                tb_per_s=nbytes / seconds / 1e12,
+                pct_of_copy=100 * nbytes / seconds / copy_bw,
+            )
             record["rows"].append(row)
             print(json.dumps(row), flush=True)
     if args.out:

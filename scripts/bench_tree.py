@@ -16,6 +16,7 @@ configuration, so a run stopped by its deadline keeps what it measured.
 GPU:  PYTHONUNBUFFERED=1 timeout 140 python3 scripts/bench_tree.py --out $OUT/tree_h200.json
 CPU smoke (interpret mode):  python scripts/bench_tree.py --quick --out /tmp/tree_cpu.json
 """
+
 import argparse
 import datetime
 import functools
@@ -37,7 +38,7 @@ from k26jax import ddtree  # noqa: E402
 from pallas_kernels.tree_accept import tree_accept, tree_accept_reference  # noqa: E402
 from pallas_kernels.tree_build import draft_topk, tree_build, tree_build_reference, visibility_from_parents  # noqa: E402
 
-DRAFT_VOCAB = 8192          # drafter logits per depth used to make logq/ids (the tree only sees the top-K)
+DRAFT_VOCAB = 8192  # drafter logits per depth used to make logq/ids (the tree only sees the top-K)
 
 
 def device_seconds(fn, sets, repeats, calls=None):
@@ -60,8 +61,12 @@ def ceilings(quick):
     m = 256 if quick else 8192
     a = jnp.ones((m, m), jnp.bfloat16)
     dot_s, _ = device_seconds(lambda ab: [ab[0][0] @ ab[0][1]], [(a, a)], 3 if quick else 10)
-    return {"copy_TBps": 2 * 4 * n / copy_s / 1e12, "copy_bytes": 2 * 4 * n,
-            "matmul_bf16_TFLOPs": 2 * m ** 3 / dot_s / 1e12, "matmul_dim": m}
+    return {
+        "copy_TBps": 2 * 4 * n / copy_s / 1e12,
+        "copy_bytes": 2 * 4 * n,
+        "matmul_bf16_TFLOPs": 2 * m**3 / dot_s / 1e12,
+        "matmul_dim": m,
+    }
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "budget"))
@@ -86,7 +91,7 @@ def greedy_post(tokens, parents, num_nodes, rng):
     num_requests, budget = tokens.shape
     post = rng.integers(DRAFT_VOCAB, 2 * DRAFT_VOCAB, (num_requests, budget + 1))
     for c in range(num_requests):
-        children = np.arange(num_nodes[c], 0, -1)        # highest index first: the first child is written last
+        children = np.arange(num_nodes[c], 0, -1)  # highest index first: the first child is written last
         post[c, parents[c, children]] = tokens[c, children - 1]
     return jnp.asarray(post, jnp.int32)
 
@@ -105,8 +110,14 @@ def bench_config(num_requests, budget, depth, args, key, num_warps=None):
     sets = make_sets(key, n + args.cpu_repeats, num_requests, budget, depth)
     budgets = jnp.full((num_requests,), budget, jnp.int32)
     rng = np.random.default_rng(budget * 1000 + num_requests)
-    row = dict(kind="build" if num_warps is None else "num_warps_sweep", C=num_requests, B=budget, L=depth,
-               K=budget, num_warps=num_warps)
+    row = dict(
+        kind="build" if num_warps is None else "num_warps_sweep",
+        C=num_requests,
+        B=budget,
+        L=depth,
+        K=budget,
+        num_warps=num_warps,
+    )
 
     # CPU heapq end to end on inputs never fetched before (jax caches host copies)
     copy_times, build_times = [], []
@@ -130,21 +141,25 @@ def bench_config(num_requests, budget, depth, args, key, num_warps=None):
                 outs.append(out)
                 chained = out[3]
             return outs
+
         return run
 
     timed = {}
 
     def gpu_build():
         seconds, timed["outs"] = device_seconds(
-            build_chain(tree_build, interpret=interpret, num_warps=num_warps), sets[:n], repeats)
+            build_chain(tree_build, interpret=interpret, num_warps=num_warps), sets[:n], repeats
+        )
         return 1e6 * seconds
 
     measure(row, "gpu_build_us", gpu_build)
-    if num_warps is None:                         # same chain as one lax.fori_loop over a single input set
+    if num_warps is None:  # same chain as one lax.fori_loop over a single input set
+
         def loop_chain(input_sets):
             logq, ids = input_sets[0]
             build = functools.partial(tree_build, logq, ids, max_budget=budget, interpret=interpret)
             return jax.lax.fori_loop(0, n - 1, lambda _, out: build(out[3]), build(budgets))
+
         measure(row, "gpu_build_fori_us", lambda: 1e6 * device_seconds(loop_chain, sets[:1], repeats, calls=n)[0])
     if "outs" not in timed:
         return row
@@ -152,8 +167,10 @@ def bench_config(num_requests, budget, depth, args, key, num_warps=None):
     tokens, depths, parents, num_nodes = jax.device_get(outs[0])
     logq0, ids0 = jax.device_get(sets[0])
     trees = [ddtree.build_tree_from_topk(logq0[c], ids0[c], budget) for c in range(num_requests)]
-    row["matches_reference"] = all(np.array_equal(tokens[c], tree.tokens) and np.array_equal(parents[c], tree.parents)
-                                   for c, tree in enumerate(trees))
+    row["matches_reference"] = all(
+        np.array_equal(tokens[c], tree.tokens) and np.array_equal(parents[c], tree.parents)
+        for c, tree in enumerate(trees)
+    )
     row["mean_depth"] = float(depths[depths > 0].mean())
     row["max_depth"] = int(depths.max())
     row["speedup_vs_cpu"] = 1e3 * row["cpu_heapq_ms"] / row["gpu_build_us"]
@@ -161,8 +178,16 @@ def bench_config(num_requests, budget, depth, args, key, num_warps=None):
         return row
 
     tree_parents = [out[2] for out in outs]
-    measure(row, "visibility_us", lambda: 1e6 * device_seconds(
-        lambda ps: [visibility_from_parents(p, max_depth=depth) for p in ps], tree_parents, repeats)[0])
+    measure(
+        row,
+        "visibility_us",
+        lambda: (
+            1e6
+            * device_seconds(
+                lambda ps: [visibility_from_parents(p, max_depth=depth) for p in ps], tree_parents, repeats
+            )[0]
+        ),
+    )
 
     accept_sets = []
     for out in outs:
@@ -171,31 +196,48 @@ def bench_config(num_requests, budget, depth, args, key, num_warps=None):
 
     def gpu_accept():
         seconds, accepted = device_seconds(
-            lambda sets_: [tree_accept(*s, max_depth=depth, interpret=interpret) for s in sets_], accept_sets, repeats)
+            lambda sets_: [tree_accept(*s, max_depth=depth, interpret=interpret) for s in sets_], accept_sets, repeats
+        )
         path, accept_len, bonus = jax.device_get(accepted[0])
         post0 = np.asarray(accept_sets[0][2])
         walks = [ddtree.follow_tree(tokens[c], parents[c], post0[c]) for c in range(num_requests)]
-        row["accept_matches_walk"] = all(accept_len[c] == len(w[0]) and bonus[c] == w[1] and
-                                         path[c, :len(w[0])].tolist() == w[0] for c, w in enumerate(walks))
+        row["accept_matches_walk"] = all(
+            accept_len[c] == len(w[0]) and bonus[c] == w[1] and path[c, : len(w[0])].tolist() == w[0]
+            for c, w in enumerate(walks)
+        )
         row["mean_accept_len"] = float(accept_len.mean())
         return 1e6 * seconds
 
     measure(row, "accept_us", gpu_accept)
     if num_requests in (1, 64) or args.quick:
         few = max(2, n // 8)
-        measure(row, "xla_fori_us", lambda: 1e6 * device_seconds(
-            build_chain(tree_build_reference), sets[:few], repeats)[0])
+        measure(
+            row, "xla_fori_us", lambda: 1e6 * device_seconds(build_chain(tree_build_reference), sets[:few], repeats)[0]
+        )
         if "xla_fori_us" in row and "gpu_build_us" in row:
             row["speedup_vs_xla"] = row["xla_fori_us"] / row["gpu_build_us"]
-        measure(row, "accept_reference_us", lambda: 1e6 * device_seconds(
-            lambda sets_: [tree_accept_reference(*s, max_depth=depth) for s in sets_], accept_sets, repeats)[0])
+        measure(
+            row,
+            "accept_reference_us",
+            lambda: (
+                1e6
+                * device_seconds(
+                    lambda sets_: [tree_accept_reference(*s, max_depth=depth) for s in sets_], accept_sets, repeats
+                )[0]
+            ),
+        )
     return row
 
 
 def git_commit():
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -211,8 +253,13 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--depths", type=int, nargs="+", default=[7, 15])
-    parser.add_argument("--sweep-budgets", type=int, nargs="*", default=[64, 256],
-                        help="num_warps sweep at C=64, L=15 for these budgets")
+    parser.add_argument(
+        "--sweep-budgets",
+        type=int,
+        nargs="*",
+        default=[64, 256],
+        help="num_warps sweep at C=64, L=15 for these budgets",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     if args.quick:
@@ -222,16 +269,25 @@ def main():
     else:
         batches, budgets, depths = args.batches, args.budgets, args.depths
         sweep = [(64, b, 15, w) for b in args.sweep_budgets for w in (1, 2, 4, 8)]
-    configs = sorted(itertools.product(batches, budgets, depths),     # the targets first: B=64 at C=1 and 64
-                     key=lambda cfg: (cfg[1] != 64, cfg[0] not in (1, 64), cfg[1], cfg[0], cfg[2]))
+    configs = sorted(
+        itertools.product(batches, budgets, depths),  # the targets first: B=64 at C=1 and 64
+        key=lambda cfg: (cfg[1] != 64, cfg[0] not in (1, 64), cfg[1], cfg[0], cfg[2]),
+    )
     todo = [(cfg, None) for cfg in configs[:4]] + [(cfg[:3], cfg[3]) for cfg in sweep[:4]]
     todo += [(cfg, None) for cfg in configs[4:]] + [(cfg[:3], cfg[3]) for cfg in sweep[4:]]
-    record = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),
-              "commit": git_commit(), "command": " ".join(sys.argv), "jax": jax.__version__,
-              "ceilings": ceilings(args.quick), "rows": [], "skipped": [],
-              "notes": "no pct_of_floor: the build is B dependent argmax pops and the walk L dependent steps, "
-                       "bound by latency, not by bytes or FLOPs; figures are device time per call "
-                       f"({args.calls} chained calls per jit, median of {args.repeats})"}
+    record = {
+        "device": str(jax.devices()[0].device_kind),
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
+        "command": " ".join(sys.argv),
+        "jax": jax.__version__,
+        "ceilings": ceilings(args.quick),
+        "rows": [],
+        "skipped": [],
+        "notes": "no pct_of_floor: the build is B dependent argmax pops and the walk L dependent steps, "
+        "bound by latency, not by bytes or FLOPs; figures are device time per call "
+        f"({args.calls} chained calls per jit, median of {args.repeats})",
+    }
     print(json.dumps(record["ceilings"]), flush=True)
     key = jax.random.key(0)
     for (num_requests, budget, depth), num_warps in todo:

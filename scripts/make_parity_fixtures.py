@@ -256,7 +256,8 @@ def random_text_weights(cfg, rng):
     """HF text tensors (names as in a plain K2 checkpoint) -> bf16/fp32 tensors, or (q_int8, scale) for experts."""
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     heads, nope, rope, v_dim = (
-        cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    )
     q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     experts, moe_inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
     shared_inter = moe_inter * cfg["n_shared_experts"]
@@ -547,9 +548,24 @@ def check_model_uses_config(model, text_cfg):
     config = model.config
     assert config._attn_implementation == "eager" and config._experts_implementation == "eager"
     assert config.rope_interleave is True
-    for key in ("hidden_size", "num_hidden_layers", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
-                "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor", "rms_norm_eps", "q_lora_rank",
-                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_shared_experts"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "n_group",
+        "topk_group",
+        "first_k_dense_replace",
+        "norm_topk_prob",
+        "routed_scaling_factor",
+        "rms_norm_eps",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_shared_experts",
+    ):
         assert getattr(config, key) == text_cfg[key], key
     # fields the modeling code never reads: only the values it hard-codes are allowed
     assert text_cfg["scoring_func"] == "sigmoid" and text_cfg["topk_method"] == "noaux_tc"
@@ -570,7 +586,10 @@ def check_model_uses_config(model, text_cfg):
         if moe:
             gate = layer.mlp.gate
             assert (gate.num_group, gate.topk_group, gate.top_k) == (
-                text_cfg["n_group"], text_cfg["topk_group"], text_cfg["num_experts_per_tok"])
+                text_cfg["n_group"],
+                text_cfg["topk_group"],
+                text_cfg["num_experts_per_tok"],
+            )
             assert gate.norm_topk_prob == text_cfg["norm_topk_prob"]
             assert gate.routed_scaling_factor == text_cfg["routed_scaling_factor"]
             shared_inter = text_cfg["moe_intermediate_size"] * text_cfg["n_shared_experts"]
@@ -711,12 +730,23 @@ def bf16_agreement(model, recorder, input_ids, arrays):
     with torch.no_grad():
         logits_bf16 = model(input_ids=input_ids, use_cache=False).logits.float().numpy()
     model.float()
-    flips = sum(int((recorder.outputs[layer][2].sort(-1).values.numpy().reshape(arrays[f"topk_ids_layer{layer}"].shape)
-                     != arrays[f"topk_ids_layer{layer}"]).any(-1).sum()) for layer in recorder.gates)
+    flips = sum(
+        int(
+            (
+                recorder.outputs[layer][2].sort(-1).values.numpy().reshape(arrays[f"topk_ids_layer{layer}"].shape)
+                != arrays[f"topk_ids_layer{layer}"]
+            )
+            .any(-1)
+            .sum()
+        )
+        for layer in recorder.gates
+    )
     ref = arrays["logits"]
-    return {"logits_rel_err": round(float(np.linalg.norm(logits_bf16 - ref) / np.linalg.norm(ref)), 4),
-            "argmax_mismatches": int((logits_bf16.argmax(-1) != ref.argmax(-1)).sum()),
-            "routing_flips": flips}
+    return {
+        "logits_rel_err": round(float(np.linalg.norm(logits_bf16 - ref) / np.linalg.norm(ref)), 4),
+        "argmax_mismatches": int((logits_bf16.argmax(-1) != ref.argmax(-1)).sum()),
+        "routing_flips": flips,
+    }
 
 
 # ----------------------------------------------------------------------------- INT4 packing fixture

@@ -8,6 +8,7 @@ warpgroup (kernel named scopes: the memory warpgroup's `wait_empty`, the compute
 
 GPU:  PYTHONPATH=. python3 scripts/profile_moe_mosaic.py --out $OUT/moe_mosaic_parts.json --commit SHA [--profile]
 """
+
 import argparse
 import collections
 import datetime
@@ -39,8 +40,10 @@ def kernel_inputs(x, ids, block_m):
     """The two kernels' operands as fused_moe_mosaic builds them (h for down: zeros of its shape)."""
     ops = mosaic.routed_operands(x, ids.reshape(-1), E, block_m, TOP_K)
     h = jnp.zeros((ops.slot_row.shape[0] * block_m, I), jnp.bfloat16)
-    return ((ops.num_blocks, ops.block_expert, ops.x_row, ops.block_rows, ops.xs),
-            (ops.num_blocks, ops.block_expert, ops.slot_row, ops.block_rows, h))
+    return (
+        (ops.num_blocks, ops.block_expert, ops.x_row, ops.block_rows, ops.xs),
+        (ops.num_blocks, ops.block_expert, ops.slot_row, ops.block_rows, h),
+    )
 
 
 def glue_us(x, ids, weights, block_m):
@@ -49,15 +52,20 @@ def glue_us(x, ids, weights, block_m):
     local_ids = ids.reshape(-1).astype(jnp.int32)
     ops = mosaic.routed_operands(x, local_ids, E, block_m, TOP_K)
     y_slots = jax.random.normal(jax.random.PRNGKey(1), (ops.slot_row.shape[0] * block_m, D), jnp.bfloat16)
-    return dict(ranks_us=median_seconds(functools.partial(moe.expert_ranks, num_experts=E), local_ids) * 1e6,
-                operands_us=median_seconds(functools.partial(mosaic.routed_operands, num_experts=E, block_m=block_m,
-                                                             top_k=TOP_K), x, local_ids) * 1e6,
-                combine_us=median_seconds(mosaic.combine, y_slots, ops.pair_slot.reshape(ids.shape), weights) * 1e6)
+    return dict(
+        ranks_us=median_seconds(functools.partial(moe.expert_ranks, num_experts=E), local_ids) * 1e6,
+        operands_us=median_seconds(
+            functools.partial(mosaic.routed_operands, num_experts=E, block_m=block_m, top_k=TOP_K), x, local_ids
+        )
+        * 1e6,
+        combine_us=median_seconds(mosaic.combine, y_slots, ops.pair_slot.reshape(ids.shape), weights) * 1e6,
+    )
 
 
 def kernels(block_m):
-    common = dict(block_m=block_m, widths=mosaic.wgmma_widths(block_m), num_sms=mosaic.default_num_sms(),
-                  interpret=False)
+    common = dict(
+        block_m=block_m, widths=mosaic.wgmma_widths(block_m), num_sms=mosaic.default_num_sms(), interpret=False
+    )
 
     def gate_up(num_blocks, block_expert, rows, block_rows, xs, w, s):
         out = jax.ShapeDtypeStruct((block_expert.shape[0] * block_m, I), jnp.bfloat16)
@@ -65,8 +73,7 @@ def kernels(block_m):
 
     def down(num_blocks, block_expert, rows, block_rows, h, w, s):
         out = jax.ShapeDtypeStruct((h.shape[0], D), jnp.bfloat16)  # the wrapper's bf16 pair rows
-        return mosaic._grouped_gemm(num_blocks, block_expert, rows, block_rows, h, w, s, out, gate_up=False,
-                                    **common)
+        return mosaic._grouped_gemm(num_blocks, block_expert, rows, block_rows, h, w, s, out, gate_up=False, **common)
 
     return gate_up, down
 
@@ -88,8 +95,9 @@ def summarize_traces(prof_dir):
             spans.append(last[tid] - first[tid])
             for name, us in scopes.items():
                 per_scope[name].append(us)
-    return dict(mean_span_us=float(np.mean(spans)), mean_us_per_warpgroup={k: float(np.mean(v)) for k, v in
-                                                                            per_scope.items()})
+    return dict(
+        mean_span_us=float(np.mean(spans)), mean_us_per_warpgroup={k: float(np.mean(v)) for k, v in per_scope.items()}
+    )
 
 
 def main():
@@ -103,9 +111,14 @@ def main():
     key = jax.random.PRNGKey(0)
     experts = bench.random_weights(key, E, D, I)
     copy_bw = bench.copy_ceiling(8 << 30, 3)
-    record = dict(device=jax.devices()[0].device_kind, commit=args.commit, command=" ".join(["python3", *sys.argv]),
-                  date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), copy_bytes_per_s=copy_bw,
-                  rows=[])
+    record = dict(
+        device=jax.devices()[0].device_kind,
+        commit=args.commit,
+        command=" ".join(["python3", *sys.argv]),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        copy_bytes_per_s=copy_bw,
+        rows=[],
+    )
     for m in (int(v) for v in args.ms.split(",")):
         block_m = 16 if m <= 512 else 32
         ids, weights = (a[0] for a in bench.random_routings(jax.random.fold_in(key, m), 1, m, E, TOP_K))
@@ -114,25 +127,34 @@ def main():
         gate_up_args, down_args = kernel_inputs(x, ids, block_m)
         gate_up, down = kernels(block_m)
         tiling = moe.fit_tiling(moe.choose_tiling(m, TOP_K), D, I)
-        row = dict(M=m, block_m=block_m, floor_us=floor * 1e6,
-                   triton_us=median_seconds(functools.partial(moe.fused_moe, tiling=tiling), x, ids, weights,
-                                            *experts) * 1e6,
-                   mosaic_us=median_seconds(functools.partial(mosaic.fused_moe_mosaic, block_m=block_m), x, ids,
-                                            weights, *experts) * 1e6,
-                   gate_up_us=median_seconds(gate_up, *gate_up_args, *experts[:2]) * 1e6,
-                   gate_up_floor_us=floor * 2 / 3 * 1e6,
-                   down_us=median_seconds(down, *down_args, *experts[2:]) * 1e6, down_floor_us=floor / 3 * 1e6,
-                   **glue_us(x, ids, weights, block_m))
+        row = dict(
+            M=m,
+            block_m=block_m,
+            floor_us=floor * 1e6,
+            triton_us=median_seconds(functools.partial(moe.fused_moe, tiling=tiling), x, ids, weights, *experts) * 1e6,
+            mosaic_us=median_seconds(
+                functools.partial(mosaic.fused_moe_mosaic, block_m=block_m), x, ids, weights, *experts
+            )
+            * 1e6,
+            gate_up_us=median_seconds(gate_up, *gate_up_args, *experts[:2]) * 1e6,
+            gate_up_floor_us=floor * 2 / 3 * 1e6,
+            down_us=median_seconds(down, *down_args, *experts[2:]) * 1e6,
+            down_floor_us=floor / 3 * 1e6,
+            **glue_us(x, ids, weights, block_m),
+        )
         if args.profile:
             params = mosaic.plgpu.CompilerParams
             mosaic.SMEM_BYTES -= 3 * args.ranges * 16  # the profiler's buffers
             fresh = kernels(block_m)  # new functions: jit would reuse the unprofiled traces of the timed ones
-            for name, fn, operands in (("gate_up", fresh[0], gate_up_args + experts[:2]),
-                                       ("down", fresh[1], down_args + experts[2:])):
+            for name, fn, operands in (
+                ("gate_up", fresh[0], gate_up_args + experts[:2]),
+                ("down", fresh[1], down_args + experts[2:]),
+            ):
                 prof_dir = os.path.join(os.path.dirname(args.out) or ".", f"profile_{name}_m{m}")
                 os.makedirs(prof_dir, exist_ok=True)
-                mosaic.plgpu.CompilerParams = functools.partial(params, profile_space=args.ranges,
-                                                                profile_dir=prof_dir, profile_bounds_check=True)
+                mosaic.plgpu.CompilerParams = functools.partial(
+                    params, profile_space=args.ranges, profile_dir=prof_dir, profile_bounds_check=True
+                )
                 jax.block_until_ready(jax.jit(fn)(*operands))
                 mosaic.plgpu.CompilerParams = params
                 row[f"profile_{name}"] = summarize_traces(prof_dir)

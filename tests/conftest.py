@@ -1,4 +1,5 @@
 """Test harness: 8 emulated CPU devices, set before jax is imported."""
+
 import os
 import warnings
 

@@ -1,5 +1,6 @@
 """scripts/bench_e2e.py: its CPU mesh mode (DDTree greedy == AR greedy on 8 devices, the measurement path),
 the controlled accept draw, and the floor / projection accounting."""
+
 import importlib.util
 import json
 import os
@@ -26,9 +27,29 @@ def bench():
 @pytest.fixture(scope="module")
 def cpu_record(bench, tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "e2e_cpu_mesh8.json"
-    rc = bench.main(["--cpu-mesh8", "--out", str(out), "--methods", "ddtree", "--budgets", "8",
-                     "--concurrency", "2", "--contexts", "64", "--ablate-at", "--half-at",
-                     "--correctness-modes", "ep", "--correctness-drafters", "oracle", "--cpu-new-tokens", "12"])
+    rc = bench.main(
+        [
+            "--cpu-mesh8",
+            "--out",
+            str(out),
+            "--methods",
+            "ddtree",
+            "--budgets",
+            "8",
+            "--concurrency",
+            "2",
+            "--contexts",
+            "64",
+            "--ablate-at",
+            "--half-at",
+            "--correctness-modes",
+            "ep",
+            "--correctness-drafters",
+            "oracle",
+            "--cpu-new-tokens",
+            "12",
+        ]
+    )
     with open(out) as f:
         return rc, json.load(f)
 
@@ -39,7 +60,7 @@ def test_cpu_mesh8_ddtree_equals_ar_and_measures(cpu_record):
     checks = [r for r in record["rows"] if r["kind"] == "correctness"]
     assert [r["drafter"] for r in checks] == ["oracle"]
     assert all(r["equal_to_ar"] and r["devices"] == 8 for r in checks)
-    assert checks[0]["tau_real"] > 1.5                       # the oracle drafter gets multi-token accepts
+    assert checks[0]["tau_real"] > 1.5  # the oracle drafter gets multi-token accepts
     step = next(r for r in record["rows"] if r["kind"] == "step")
     assert step["step_ms"] > 0 and 1 <= step["tau_realised"] <= 8
     assert step["pct_of_floor"] == pytest.approx(100 * step["floor_ms"] / step["step_ms"])
@@ -61,7 +82,7 @@ def test_floor_counts_touched_experts_and_sharding(bench):
     ar = bench.traffic(cfg, dcfg, "ar", 1, 1, 1024)
     tree = bench.traffic(cfg, dcfg, "ddtree", 64, 10, 8192)
     per_expert = bench._weight_parts(cfg, dcfg, 1, "ep")["routed"][0] / cfg.n_routed_experts
-    assert ar["routed"][0] == pytest.approx(8 * per_expert, rel=1e-6)       # one token: its 8 experts
+    assert ar["routed"][0] == pytest.approx(8 * per_expert, rel=1e-6)  # one token: its 8 experts
     assert tree["routed"][0] == pytest.approx(cfg.n_routed_experts * per_expert, rel=1e-3)
     assert "drafter" not in ar and tree["draft_lm_head"][0] == tree["lm_head"][0]
     assert ar["kv_cache"][0] == cfg.num_hidden_layers * 1024 * 576 * 2
@@ -69,16 +90,30 @@ def test_floor_counts_touched_experts_and_sharding(bench):
     tp = bench.traffic(cfg, dcfg, "ddtree", 32, 1, 1024, n=8, expert_mode="tp")
     full = bench.traffic(cfg, dcfg, "ddtree", 32, 1, 1024)
     assert tp["routed"][0] == pytest.approx(full["routed"][0] / 8, rel=1e-6)
-    assert ep["routed"][0] > tp["routed"][0]                                # expert-parallel load imbalance
-    assert tp["kv_cache"][0] == full["kv_cache"][0]                         # latent cache replicated
+    assert ep["routed"][0] > tp["routed"][0]  # expert-parallel load imbalance
+    assert tp["kv_cache"][0] == full["kv_cache"][0]  # latent cache replicated
     assert tp["lm_head"][0] == pytest.approx(full["lm_head"][0] / 8)
 
 
 def test_projection_scales_and_adds_collectives(bench):
-    record = {"ceilings": {"copy_TBps": 4.0, "matmul_bf16_TFLOPs": 620.0},
-              "projection_assumptions": {"gpus": 8, "collective_latency_us": 10.0, "nvlink_busbw_GBps": 360.0},
-              "rows": [{"kind": "step", "variant": "ddtree32", "layers": layers, "method": "ddtree", "B": 32,
-                        "C": 1, "context": 1024, "tau": 5.3, "step_ms": ms} for layers, ms in ((4, 12.0), (2, 7.0))]}
+    record = {
+        "ceilings": {"copy_TBps": 4.0, "matmul_bf16_TFLOPs": 620.0},
+        "projection_assumptions": {"gpus": 8, "collective_latency_us": 10.0, "nvlink_busbw_GBps": 360.0},
+        "rows": [
+            {
+                "kind": "step",
+                "variant": "ddtree32",
+                "layers": layers,
+                "method": "ddtree",
+                "B": 32,
+                "C": 1,
+                "context": 1024,
+                "tau": 5.3,
+                "step_ms": ms,
+            }
+            for layers, ms in ((4, 12.0), (2, 7.0))
+        ],
+    }
     (row,) = bench.project(record)
     assert row["per_layer_ms"] == pytest.approx(2.5)
     assert row["one_gpu_61_ms"] == pytest.approx(12.0 + 57 * 2.5)

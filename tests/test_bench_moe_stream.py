@@ -1,4 +1,5 @@
 """scripts/bench_moe_stream.py: the streaming ablation reads exactly the touched experts' gate/up words."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np

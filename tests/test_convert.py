@@ -1,5 +1,6 @@
 """HF -> orbax converter and restore: round trip, INT4 relayout vs compressed-tensors, crash + resume, bad input,
 1-device -> 8-device restore."""
+
 import json
 import os
 import shutil
@@ -33,8 +34,11 @@ def _same_bits(a, b):
 
 def _assert_trees_equal(got, want):
     assert jax.tree.structure(got) == jax.tree.structure(want)
-    bad = [jax.tree_util.keystr(p) for p, ok in
-           jax.tree_util.tree_leaves_with_path(jax.tree.map(_same_bits, got, want)) if not ok]
+    bad = [
+        jax.tree_util.keystr(p)
+        for p, ok in jax.tree_util.tree_leaves_with_path(jax.tree.map(_same_bits, got, want))
+        if not ok
+    ]
     assert not bad, bad
 
 
@@ -77,6 +81,7 @@ def test_orbax_reads_it_with_its_own_api(converted, hf_tree):
 
 def test_drafter_round_trip(converted):
     from convert import dflash_layout
+
     dcfg, want = dflash_layout.load_drafter_hf(os.path.join(TINY, "drafter"))
     got_cfg, got = checkpoint.restore_drafter(os.path.join(converted, "drafter"))
     assert got_cfg == dcfg
@@ -110,10 +115,24 @@ def _hf_with_int4_fixture(tmp_path):
     gate = up = fixture [out 64, in 96], down = pack(q.T) [out 96, in 64]."""
     fx = np.load(os.path.join(ROOT, "tests", "fixtures", "int4_pack.npz"))
     out = str(tmp_path / "hf_int4")
-    make_tiny.make_tiny(out, drafter=False, overrides=dict(
-        vocab_size=512, hidden_size=96, moe_intermediate_size=64, intermediate_size=128, num_hidden_layers=2,
-        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-        n_routed_experts=8, num_experts_per_tok=2))
+    make_tiny.make_tiny(
+        out,
+        drafter=False,
+        overrides=dict(
+            vocab_size=512,
+            hidden_size=96,
+            moe_intermediate_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+        ),
+    )
     with open(os.path.join(out, hf_layout.INDEX_FILE)) as f:
         weight_map = json.load(f)["weight_map"]
     prefix = "language_model.model.layers.1.mlp.experts.0."
@@ -121,8 +140,13 @@ def _hf_with_int4_fixture(tmp_path):
     new.update({prefix + f"{p}_proj.weight_scale": fx["scale"].astype(hf_layout.BF16) for p in ("gate", "up")})
     new[prefix + "down_proj.weight_packed"] = make_tiny.pack_int4(fx["q_int"].T)
     shared = "language_model.model.layers.1.mlp.shared_experts.gate_proj."  # a packed linear outside the experts
-    removed = {shared + "weight": {shared + "weight_packed": fx["packed"], shared + "weight_scale":
-                                   fx["scale"].astype(hf_layout.BF16), shared + "weight_shape": np.array([64, 96])}}
+    removed = {
+        shared + "weight": {
+            shared + "weight_packed": fx["packed"],
+            shared + "weight_scale": fx["scale"].astype(hf_layout.BF16),
+            shared + "weight_shape": np.array([64, 96]),
+        }
+    }
     for name, value in new.items():
         _edit_shard(out, weight_map, {name: value})
     for name, replacement in removed.items():
@@ -184,8 +208,14 @@ def test_k2_layout_inv_freq_and_int64_weight_shape(tmp_path):
 
 
 def _run_cli(args, env=None):
-    return subprocess.run([sys.executable, "-m", "convert", "--no-progress", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "convert", "--no-progress", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("kill_after, finished", [(6, []), (37, ["target:top", "target:layer 0"])])
@@ -198,7 +228,8 @@ def test_resume_after_kill(tmp_path, converted, kill_after, finished):  # killed
     assert not os.path.exists(out) and os.path.isdir(staging)
     journal = os.path.join(staging, converter.JOURNAL_FILE)
     assert (open(journal).read().split("\n")[:-1] if os.path.exists(journal) else []) == [
-        json.dumps({"step": step}) for step in finished]
+        json.dumps({"step": step}) for step in finished
+    ]
     with pytest.raises(checkpoint.IncompleteCheckpointError, match="--resume"):
         checkpoint.restore(staging)
     with pytest.raises(FileExistsError, match="--resume"):
@@ -272,16 +303,20 @@ def test_missing_and_unexpected_tensors(tmp_path, capsys):
     weight_map[extra] = weight_map.pop(gone)
     with open(os.path.join(hf, hf_layout.INDEX_FILE), "w") as f:
         json.dump({"weight_map": weight_map}, f)
-    _assert_refused(capsys, tmp_path, hf, "missing: 'model.layers.3.mlp.experts.7.down_proj.weight_scale'",
-                    f"unexpected: {os.path.basename(shard)}: '{extra}'")
+    _assert_refused(
+        capsys,
+        tmp_path,
+        hf,
+        "missing: 'model.layers.3.mlp.experts.7.down_proj.weight_scale'",
+        f"unexpected: {os.path.basename(shard)}: '{extra}'",
+    )
 
 
 def test_unknown_quantization_format(tmp_path, capsys):
     hf, _ = _copy_tiny(tmp_path)
     with open(os.path.join(hf, "config.json")) as f:
         raw = json.load(f)
-    raw["text_config"]["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                                 "weight_block_size": [128, 128]}
+    raw["text_config"]["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     with open(os.path.join(hf, "config.json"), "w") as f:
         json.dump(raw, f)
     _assert_refused(capsys, tmp_path, hf, "quantization_config", "FP8")

@@ -1,11 +1,13 @@
 """CPU reference k26jax.ddtree against an independent transcription of the paper's heap and brute force."""
+
 import heapq
 import itertools
 
 import jax
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from k26jax import ddtree
 
@@ -48,7 +50,7 @@ def check_structure(tree, budget, num_depths):
     n = tree.num_nodes
     assert tree.tokens.shape == tree.depths.shape == (budget,)
     assert tree.parents.shape == (budget + 1,) and tree.parents[0] == -1
-    assert (tree.tokens[n:] == -1).all() and (tree.depths[n:] == -1).all() and (tree.parents[n + 1:] == -1).all()
+    assert (tree.tokens[n:] == -1).all() and (tree.depths[n:] == -1).all() and (tree.parents[n + 1 :] == -1).all()
     depth_of = np.concatenate([[0], tree.depths])
     for i in range(1, n + 1):
         assert 0 <= tree.parents[i] < i
@@ -76,8 +78,7 @@ def random_logits(seed, num_depths, vocab, tied):
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31), num_depths=st.integers(1, 9), vocab=st.integers(1, 40),
-       budget=st.integers(0, 70))
+@given(seed=st.integers(0, 2**31), num_depths=st.integers(1, 9), vocab=st.integers(1, 40), budget=st.integers(0, 70))
 def test_matches_paper_heap_without_ties(seed, num_depths, vocab, budget):
     logits = random_logits(seed, num_depths, vocab, tied=False)
     tree = ddtree.build_tree(logits, budget)
@@ -88,13 +89,12 @@ def test_matches_paper_heap_without_ties(seed, num_depths, vocab, budget):
     assert n == len(tokens) == min(budget, sum(min(budget, vocab) ** d for d in range(1, num_depths + 1)))
     np.testing.assert_array_equal(tree.tokens[:n], tokens)
     np.testing.assert_array_equal(tree.depths[:n], depths)
-    np.testing.assert_array_equal(tree.parents[:n + 1], parents)
+    np.testing.assert_array_equal(tree.parents[: n + 1], parents)
     check_structure(tree, budget, num_depths)
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31), num_depths=st.integers(1, 6), vocab=st.integers(1, 12),
-       budget=st.integers(1, 50))
+@given(seed=st.integers(0, 2**31), num_depths=st.integers(1, 6), vocab=st.integers(1, 12), budget=st.integers(1, 50))
 def test_tied_logits_give_a_valid_optimal_tree(seed, num_depths, vocab, budget):
     logits = random_logits(seed, num_depths, vocab, tied=True)
     tree = ddtree.build_tree(logits, budget)
@@ -103,21 +103,23 @@ def test_tied_logits_give_a_valid_optimal_tree(seed, num_depths, vocab, budget):
     paper_tokens = paper_build(logq, ids, budget)[0]
     assert tree.num_nodes == len(paper_tokens)
     ours = np.exp(node_scores(tree, logq, ids))
-    assert np.all(np.diff(ours) <= 1e-6)                      # best-first: pop order never improves
+    assert np.all(np.diff(ours) <= 1e-6)  # best-first: pop order never improves
     # any optimal tree has the same expected acceptance (sum of path probabilities)
     paper_tree = ddtree.Tree(*paper_build(logq, ids, budget)[:3], None, len(paper_tokens))
     np.testing.assert_allclose(ours.sum(), np.exp(node_scores(paper_tree, logq, ids)).sum(), rtol=1e-5)
 
 
 @settings(derandomize=True, max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31), num_depths=st.integers(1, 3), vocab=st.integers(1, 4),
-       budget=st.integers(1, 90))
+@given(seed=st.integers(0, 2**31), num_depths=st.integers(1, 3), vocab=st.integers(1, 4), budget=st.integers(1, 90))
 def test_optimal_against_brute_force(seed, num_depths, vocab, budget):
     logits = random_logits(seed, num_depths, vocab, tied=False)
     logq, ids = ddtree.topk_logprobs(logits, vocab)
     k = min(budget, vocab)
-    every_score = [sum(float(logq[d, r]) for d, r in enumerate(ranks))
-                   for depth in range(1, num_depths + 1) for ranks in itertools.product(range(k), repeat=depth)]
+    every_score = [
+        sum(float(logq[d, r]) for d, r in enumerate(ranks))
+        for depth in range(1, num_depths + 1)
+        for ranks in itertools.product(range(k), repeat=depth)
+    ]
     best = np.sort(np.exp(every_score))[::-1][:budget].sum()
     tree = ddtree.build_tree(logits, budget)
     assert tree.num_nodes == min(budget, len(every_score))
@@ -126,7 +128,7 @@ def test_optimal_against_brute_force(seed, num_depths, vocab, budget):
 
 def test_topk_order_and_logprobs_match_lax():
     rng = np.random.default_rng(0)
-    logits = rng.integers(-2, 2, (5, 300)).astype(np.float32)      # many exact ties
+    logits = rng.integers(-2, 2, (5, 300)).astype(np.float32)  # many exact ties
     logits[1] = rng.standard_normal(300)
     for k in (1, 7, 300):
         logq, ids = ddtree.topk_logprobs(logits, k)
@@ -156,8 +158,7 @@ def test_zero_probability_tokens_are_not_drafted():
 def test_knobs_change_the_tree_as_documented():
     logits = random_logits(11, 6, 50, tied=False)
     plain = ddtree.build_tree(logits, 40)
-    np.testing.assert_array_equal(ddtree.build_tree(logits, 40, max_topk=None, depth_bonus=0.0).parents,
-                                  plain.parents)
+    np.testing.assert_array_equal(ddtree.build_tree(logits, 40, max_topk=None, depth_bonus=0.0).parents, plain.parents)
     capped = ddtree.build_tree(logits, 40, max_topk=2)
     logq, ids = ddtree.topk_logprobs(logits, 40)
     for token, d in zip(capped.tokens, capped.depths):
@@ -184,7 +185,7 @@ def test_follow_tree(seed, budget, greedy):
     logits = random_logits(seed, 5, 6, tied=False)
     tree = ddtree.build_tree(logits, budget)
     post = rng.integers(0, 6, budget + 1)
-    if greedy:                                   # target agrees with the first child wherever there is one
+    if greedy:  # target agrees with the first child wherever there is one
         for i in range(tree.num_nodes, 0, -1):
             post[tree.parents[i]] = tree.tokens[i - 1]
     path, bonus = ddtree.follow_tree(tree.tokens, tree.parents, post)

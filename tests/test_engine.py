@@ -1,4 +1,5 @@
 """The speculative engine: losslessness, plumbing with oracle drafters, sampling law, cache commit, mesh."""
+
 import functools
 
 import jax
@@ -19,17 +20,34 @@ L = 7
 
 
 def tiny_drafter_cfg(vocab=1024):
-    return DrafterConfig.from_dict(dict(
-        hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-        intermediate_size=512, rms_norm_eps=1e-6, rope_theta=10000.0, block_size=L + 1, num_target_layers=4,
-        vocab_size=vocab, max_position_embeddings=4096,
-        dflash_config=dict(target_layer_ids=[1, 2], mask_token_id=vocab - 2)))
+    return DrafterConfig.from_dict(
+        dict(
+            hidden_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=512,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            block_size=L + 1,
+            num_target_layers=4,
+            vocab_size=vocab,
+            max_position_embeddings=4096,
+            dflash_config=dict(target_layer_ids=[1, 2], mask_token_id=vocab - 2),
+        )
+    )
 
 
 def make_model(cfg, seed=0):
     dcfg = tiny_drafter_cfg(cfg.vocab_size)
-    return api.Model(cfg, target.init_params(cfg, seed, jnp.float32), IMPLS, drafter_cfg=dcfg,
-                     drafter_params=drafter.init_params(dcfg, seed, jnp.float32))
+    return api.Model(
+        cfg,
+        target.init_params(cfg, seed, jnp.float32),
+        IMPLS,
+        drafter_cfg=dcfg,
+        drafter_params=drafter.init_params(dcfg, seed, jnp.float32),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +61,7 @@ def ar(model):
     tokens = generate(model, PROMPTS, max_new_tokens=NEW, method="ar").tokens
     safe = []
     for p, t in zip(PROMPTS, tokens):
-        logits = np.asarray(model.logits(np.array([p + t])))[0, len(p) - 1:-1]
+        logits = np.asarray(model.logits(np.array([p + t])))[0, len(p) - 1 : -1]
         top2 = np.sort(logits, -1)[:, -2:]
         margins = top2[:, 1] - top2[:, 0]
         safe.append(int(np.argmax(margins < 1e-4)) if (margins < 1e-4).any() else len(t))
@@ -58,7 +76,7 @@ def oracle(trajectory, noise, seed=0):
     def propose(params, dparams, state):
         C, V = traj.shape[0], params["lm_head"].shape[1]
         idx = jnp.minimum(state.cache.lengths[:, None] + 1 + jnp.arange(L)[None], traj.shape[1] - 1)
-        true = jnp.take_along_axis(traj, idx, axis=1)                                       # [C, L]
+        true = jnp.take_along_axis(traj, idx, axis=1)  # [C, L]
         k1, k2, k3 = jax.random.split(jax.random.fold_in(jax.random.key(seed), state.step), 3)
         logits = jax.random.normal(k1, (C, L, V))
         wrong = (true + jax.random.randint(k2, true.shape, 1, V)) % V
@@ -75,7 +93,7 @@ def trajectories(tokens):
     width = max(len(p) + len(t) for p, t in zip(PROMPTS, tokens)) + L + 2
     traj = np.zeros((len(PROMPTS), width), np.int32)
     for i, (p, t) in enumerate(zip(PROMPTS, tokens)):
-        traj[i, :len(p) + len(t)] = p + t
+        traj[i, : len(p) + len(t)] = p + t
     return traj
 
 
@@ -104,8 +122,15 @@ def test_lossless_with_noisy_oracle_and_accept_lengths_span_1_to_L_plus_1(model,
 
 
 def test_perfect_oracle_accepts_full_depth_every_step(model, ar):
-    res = generate(model, PROMPTS, max_new_tokens=NEW, method="ddtree", budget=L,
-                   propose=oracle(trajectories(ar[0]), noise=0.0), loop="while")
+    res = generate(
+        model,
+        PROMPTS,
+        max_new_tokens=NEW,
+        method="ddtree",
+        budget=L,
+        propose=oracle(trajectories(ar[0]), noise=0.0),
+        loop="while",
+    )
     assert_same_until_near_tie(res.tokens, ar)
     # 1 token from prefill, then full steps of L+1 tokens until the last, capped by max_new_tokens.
     full_steps = (NEW - 1) // (L + 1)
@@ -118,7 +143,7 @@ def test_cache_commit_equals_prefill_of_the_emitted_tokens(model, ar):
     sc = engine.StepConfig(method="ddtree", budget=16, max_new_tokens=NEW, block_size=L + 1)
     ids = np.zeros((3, 32), np.int32)
     for i, p in enumerate(PROMPTS):
-        ids[i, :len(p)] = p
+        ids[i, : len(p)] = p
     lengths = np.array([len(p) for p in PROMPTS], np.int32)
     kw = dict(cfg=model.cfg, dcfg=model.drafter_cfg, sc=sc, impls=IMPLS)
     state = engine.prefill(model.params, model.drafter_params, ids, lengths, jax.random.key(0), max_len=128, **kw)
@@ -128,7 +153,7 @@ def test_cache_commit_equals_prefill_of_the_emitted_tokens(model, ar):
     for i, p in enumerate(PROMPTS):
         n = int(state.cache.lengths[i])
         seq = (p + ar[0][i])[:n]
-        assert n == len(p) + int(state.num_out[i]) - 1     # the last emitted token is the next root, no KV yet
+        assert n == len(p) + int(state.num_out[i]) - 1  # the last emitted token is the next root, no KV yet
         _, rows, _ = target.forward_prefill(model.params, model.cfg, jnp.asarray([seq]), jnp.asarray([n]), IMPLS)
         np.testing.assert_allclose(state.cache.rows[:, i, :n], rows[:, 0], atol=2e-5)
 
@@ -146,18 +171,17 @@ def test_sampling_at_t1_follows_the_ar_distribution():
     V = 8
     cfg = preset("tiny").replace(vocab_size=V, bos_token_id=None, eos_token_ids=(), pad_token_id=None)
     m = make_model(cfg, seed=1)
-    m.params["lm_head"] = m.params["lm_head"] * 0.05                 # a spread-out target distribution
+    m.params["lm_head"] = m.params["lm_head"] * 0.05  # a spread-out target distribution
     prompt = [1, 5, 2]
     probs = lambda seqs: np.asarray(jax.nn.softmax(m.logits(np.array(seqs))[:, -1], -1), np.float64)
     p1 = probs([prompt])[0]
-    p12 = probs([prompt + [a] for a in range(V)])                     # [x1, x2]
+    p12 = probs([prompt + [a] for a in range(V)])  # [x1, x2]
     p2 = p1 @ p12
-    p3 = np.einsum("a,ab,abc->c", p1, p12, np.stack([probs([prompt + [a, b] for b in range(V)])
-                                                     for a in range(V)]))
+    p3 = np.einsum("a,ab,abc->c", p1, p12, np.stack([probs([prompt + [a, b] for b in range(V)]) for a in range(V)]))
     n = 1200
     res = generate(m, [prompt] * n, max_new_tokens=3, method="ddtree", budget=16, temperature=1.0, seed=3)
     toks = np.array(res.tokens)
-    assert max(max(r) for r in res.stats["accept_lens"]) >= 3        # drafts were accepted at depth >= 2
+    assert max(max(r) for r in res.stats["accept_lens"]) >= 3  # drafts were accepted at depth >= 2
     for col, p in ((1, p2), (2, p3)):
         counts = np.bincount(toks[:, col], minlength=V)
         assert stats.chisquare(counts, p / p.sum() * n).pvalue > 1e-3, (counts, p * n)
@@ -181,8 +205,9 @@ def test_step_is_one_program_without_host_callbacks(model, method):
     sc = engine.StepConfig(method=method, budget=8, max_new_tokens=8, block_size=L + 1)
     kw = dict(cfg=model.cfg, dcfg=model.drafter_cfg if method != "ar" else None, sc=sc, impls=IMPLS)
     ids = np.array([[1, 2, 3, 0]], np.int32)
-    state = engine.prefill(model.params, model.drafter_params, ids, np.array([3], np.int32), jax.random.key(0),
-                           max_len=64, **kw)
+    state = engine.prefill(
+        model.params, model.drafter_params, ids, np.array([3], np.int32), jax.random.key(0), max_len=64, **kw
+    )
     jaxpr = str(jax.make_jaxpr(functools.partial(engine.step, **kw))(model.params, model.drafter_params, state))
     assert "callback" not in jaxpr and "pure_callback" not in jaxpr
 
@@ -190,13 +215,19 @@ def test_step_is_one_program_without_host_callbacks(model, method):
 def test_eos_stops_each_sequence_at_its_first_eos(model, ar):
     tokens = ar[0]
     eos = next(t for i, t in enumerate(tokens[0]) if i >= 5 and t not in tokens[0][:i])
-    m = api.Model(model.cfg.replace(eos_token_ids=(eos,)), model.params, IMPLS, drafter_cfg=model.drafter_cfg,
-                  drafter_params=model.drafter_params)
-    res = generate(m, PROMPTS, max_new_tokens=NEW, method="ddtree", budget=8,
-                   propose=oracle(trajectories(tokens), noise=0.2))
+    m = api.Model(
+        model.cfg.replace(eos_token_ids=(eos,)),
+        model.params,
+        IMPLS,
+        drafter_cfg=model.drafter_cfg,
+        drafter_params=model.drafter_params,
+    )
+    res = generate(
+        m, PROMPTS, max_new_tokens=NEW, method="ddtree", budget=8, propose=oracle(trajectories(tokens), noise=0.2)
+    )
     for got, want, safe in zip(res.tokens, tokens, ar[1]):
         stop = want.index(eos) + 1 if eos in want else len(want)
-        n = min(stop, safe)                                  # compare only up to the first near-tie
+        n = min(stop, safe)  # compare only up to the first near-tie
         assert got[:n] == want[:n]
         if safe >= stop:
             assert len(got) == stop

@@ -1,4 +1,5 @@
 """pallas_kernels.int4_moe_gemm: interpret mode against the jnp reference, layout, sharding, cuda lowering."""
+
 import dataclasses
 import functools
 
@@ -11,8 +12,9 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from pallas_kernels import int4_moe_gemm as moe
 
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
-                                                                 platform="cuda"))
+H200 = AbstractMesh(
+    (1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+)
 
 
 def pack_int4(q, axis):
@@ -31,8 +33,8 @@ def random_experts(seed, num_experts, d, i, extremes=False):
     rng = np.random.default_rng(seed)
     draw = (lambda shape: rng.choice([-8, 7], shape)) if extremes else (lambda shape: rng.integers(-8, 8, shape))
     q13, q2 = draw((num_experts, d, 2, i)), draw((num_experts, i, d))
-    s13 = jnp.asarray(rng.uniform(0.5, 1.5, (num_experts, d // 32, 2, i)) / (4 * d ** 0.5), jnp.bfloat16)
-    s2 = jnp.asarray(rng.uniform(0.5, 1.5, (num_experts, i // 32, d)) / (4 * i ** 0.5), jnp.bfloat16)
+    s13 = jnp.asarray(rng.uniform(0.5, 1.5, (num_experts, d // 32, 2, i)) / (4 * d**0.5), jnp.bfloat16)
+    s2 = jnp.asarray(rng.uniform(0.5, 1.5, (num_experts, i // 32, d)) / (4 * i**0.5), jnp.bfloat16)
     packed = (jnp.asarray(pack_int4(q13, 1)), s13, jnp.asarray(pack_int4(q2, 1)), s2)
     return packed, (q13, q2)
 
@@ -102,13 +104,13 @@ def test_sort_routing_pads_every_group_to_block_multiples():
     on_shard = np.flatnonzero((local >= 0) & (local < 8))
     np.testing.assert_array_equal(np.sort(slot_pair[slot_pair >= 0]), on_shard)  # each pair exactly once
     for b, expert in enumerate(block_expert):
-        rows = slot_pair[b * block_m:(b + 1) * block_m]
+        rows = slot_pair[b * block_m : (b + 1) * block_m]
         if expert < 0:
             assert (rows < 0).all()
         else:
             assert (rows >= 0).any() and (local[rows[rows >= 0]] == expert).all()
     used = block_expert[block_expert >= 0]
-    assert (np.diff(used) >= 0).all() and (block_expert[len(used):] < 0).all()  # sorted, unused blocks last
+    assert (np.diff(used) >= 0).all() and (block_expert[len(used) :] < 0).all()  # sorted, unused blocks last
     assert all((np.diff(rows[rows >= 0]) > 0).all() for rows in slot_pair.reshape(-1, block_m))  # pair order
 
 
@@ -149,13 +151,22 @@ SMALL_CASES = [  # (M, top_k, per_pair, block_m, split_k_down, n_fastest, swap_a
 
 
 @pytest.mark.parametrize("num_tokens,top_k,per_pair,block_m,split_k,n_fastest,swap_ab,dtype", SMALL_CASES)
-def test_fused_moe_interpret_matches_reference(num_tokens, top_k, per_pair, block_m, split_k, n_fastest, swap_ab,
-                                               dtype):
+def test_fused_moe_interpret_matches_reference(
+    num_tokens, top_k, per_pair, block_m, split_k, n_fastest, swap_ab, dtype
+):
     packed, _ = small_experts()
     x = jnp.asarray(np.random.default_rng(num_tokens).normal(size=(num_tokens, 256)), dtype)
     ids, weights = random_routing(num_tokens + 1, num_tokens, top_k, num_ids=10)  # ragged, 8..9 off-set
-    tiling = moe.Tiling(block_m=block_m, per_pair=per_pair, split_k_down=split_k, block_n_gate_up=64,
-                        block_n_down=64, n_fastest=n_fastest, swap_ab=swap_ab, dequant="f32")
+    tiling = moe.Tiling(
+        block_m=block_m,
+        per_pair=per_pair,
+        split_k_down=split_k,
+        block_n_gate_up=64,
+        block_n_down=64,
+        n_fastest=n_fastest,
+        swap_ab=swap_ab,
+        dequant="f32",
+    )
     y = moe.fused_moe(x, ids, weights, *packed, tiling=tiling, interpret=True)
     y_ref = moe.fused_moe_reference(x, ids, weights, *packed)
     assert y.shape == x.shape and y.dtype == x.dtype
@@ -209,8 +220,9 @@ def test_sharded_forms_equal_unsharded_reference(mode):
     ids, weights = random_routing(12, 6, 3, num_ids=8)
     y_ref = moe.fused_moe_reference(x, ids, weights, *packed)
     specs = moe.fused_moe_specs(mode, axis="model")
-    args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
-            for a, spec in zip((x, ids, weights, *packed), specs)]
+    args = [
+        jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) for a, spec in zip((x, ids, weights, *packed), specs)
+    ]
     tiling = moe.Tiling(block_n_gate_up=64, block_n_down=64, dequant="f32")
     for impl in ("reference", "pallas"):
         f = moe.fused_moe_sharded(mesh, axis="model", mode=mode, impl=impl, interpret=True, tiling=tiling)
@@ -220,13 +232,22 @@ def test_sharded_forms_equal_unsharded_reference(mode):
 def _lower_for_cuda(num_tokens, tiling, dtype=jnp.bfloat16):
     """Lowers the wrapper for an H200 with K2.6 shapes; returns the number of Triton custom calls."""
     e, d, i = 384, 7168, 2048
-    args = (jax.ShapeDtypeStruct((num_tokens, d), dtype), jax.ShapeDtypeStruct((num_tokens, 8), jnp.int32),
-            jax.ShapeDtypeStruct((num_tokens, 8), jnp.float32),
-            jax.ShapeDtypeStruct((e, d // 8, 2, i), jnp.int32), jax.ShapeDtypeStruct((e, d // 32, 2, i), jnp.bfloat16),
-            jax.ShapeDtypeStruct((e, i // 8, d), jnp.int32), jax.ShapeDtypeStruct((e, i // 32, d), jnp.bfloat16))
+    args = (
+        jax.ShapeDtypeStruct((num_tokens, d), dtype),
+        jax.ShapeDtypeStruct((num_tokens, 8), jnp.int32),
+        jax.ShapeDtypeStruct((num_tokens, 8), jnp.float32),
+        jax.ShapeDtypeStruct((e, d // 8, 2, i), jnp.int32),
+        jax.ShapeDtypeStruct((e, d // 32, 2, i), jnp.bfloat16),
+        jax.ShapeDtypeStruct((e, i // 8, d), jnp.int32),
+        jax.ShapeDtypeStruct((e, i // 32, d), jnp.bfloat16),
+    )
     with use_abstract_mesh(H200):
-        hlo = jax.jit(functools.partial(moe.fused_moe, tiling=tiling)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
+        hlo = (
+            jax.jit(functools.partial(moe.fused_moe, tiling=tiling))
+            .trace(*args)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
     return hlo.count(plgpu.CUSTOM_CALL_TARGET_NAME)
 
 
@@ -238,8 +259,16 @@ def test_every_default_tiling_lowers_for_cuda(num_tokens):
         assert _lower_for_cuda(num_tokens, tiling, dtype) == 2
 
 
-@pytest.mark.parametrize("variant", [dict(split_k_down=2), dict(n_fastest=True), dict(n_fastest=False),
-                                     dict(swap_ab=True), dict(swap_ab=True, block_m=64, block_kw_gate_up=16)])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(split_k_down=2),
+        dict(n_fastest=True),
+        dict(n_fastest=False),
+        dict(swap_ab=True),
+        dict(swap_ab=True, block_m=64, block_kw_gate_up=16),
+    ],
+)
 def test_tiling_variants_lower_for_cuda(variant):
     tiling = dataclasses.replace(moe.choose_tiling(64, 8), **variant)
     assert _lower_for_cuda(64, tiling) == 2
@@ -250,31 +279,40 @@ def test_stacked_weights_with_layer_index_equal_that_layers_experts():
     layers = [random_experts(seed, num_experts=8, d=256, i=256)[0] for seed in (11, 12, 13)]
     stacked = tuple(jnp.stack(ws) for ws in zip(*layers))
     x = jnp.asarray(np.random.default_rng(8).normal(size=(5, 256)), jnp.float32)
-    ids, weights = random_routing(9, 5, 2, 10)                         # ids 8, 9 are off-shard
+    ids, weights = random_routing(9, 5, 2, 10)  # ids 8, 9 are off-shard
     for layer in range(3):
         y_ref = moe.fused_moe_reference(x, ids, weights, *layers[layer])
         for per_pair in (False, True):
             tiling = moe.Tiling(per_pair=per_pair, block_n_gate_up=64, block_n_down=64, dequant="f32")
             y = jax.jit(functools.partial(moe.fused_moe, tiling=tiling, interpret=True))(
-                x, ids, weights, *stacked, layer=jnp.int32(layer))
+                x, ids, weights, *stacked, layer=jnp.int32(layer)
+            )
             assert rel_err(y, y_ref) < 1e-5
         assert rel_err(moe.fused_moe_reference(x, ids, weights, *stacked, layer=jnp.int32(layer)), y_ref) < 1e-6
 
 
 def test_stacked_form_lowers_for_cuda():
     n, e, d, i = 3, 384, 7168, 2048
-    args = (jax.ShapeDtypeStruct((16, d), jnp.bfloat16), jax.ShapeDtypeStruct((16, 8), jnp.int32),
-            jax.ShapeDtypeStruct((16, 8), jnp.float32),
-            jax.ShapeDtypeStruct((n, e, d // 8, 2, i), jnp.int32),
-            jax.ShapeDtypeStruct((n, e, d // 32, 2, i), jnp.bfloat16),
-            jax.ShapeDtypeStruct((n, e, i // 8, d), jnp.int32), jax.ShapeDtypeStruct((n, e, i // 32, d), jnp.bfloat16),
-            jax.ShapeDtypeStruct((), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((16, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((16, 8), jnp.int32),
+        jax.ShapeDtypeStruct((16, 8), jnp.float32),
+        jax.ShapeDtypeStruct((n, e, d // 8, 2, i), jnp.int32),
+        jax.ShapeDtypeStruct((n, e, d // 32, 2, i), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n, e, i // 8, d), jnp.int32),
+        jax.ShapeDtypeStruct((n, e, i // 32, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
     with use_abstract_mesh(H200):
         tiling = moe.choose_tiling(16, 8)  # the Triton kernels (the default at 16 tokens is Mosaic's, tested there)
-        hlo = jax.jit(lambda *a: moe.fused_moe(*a[:-1], layer=a[-1], tiling=tiling)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
+        hlo = (
+            jax.jit(lambda *a: moe.fused_moe(*a[:-1], layer=a[-1], tiling=tiling))
+            .trace(*args)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
     assert hlo.count(plgpu.CUSTOM_CALL_TARGET_NAME) == 2
-    assert "dynamic_slice" not in hlo                                   # the stack is not sliced per layer
+    assert "dynamic_slice" not in hlo  # the stack is not sliced per layer
 
 
 def test_n_fastest_keeps_row_blocks_on_the_unbounded_grid_axis():

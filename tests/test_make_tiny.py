@@ -1,4 +1,5 @@
 """make_tiny: the K2.6 on-disk format, the INT4 packer against compressed-tensors, the tokenizer, the drafter."""
+
 import base64
 import filecmp
 import json
@@ -30,8 +31,10 @@ def test_pack_int4_matches_compressed_tensors(int4):
     np.testing.assert_array_equal(hf_layout.unpack_int4_rows(int4["packed"].T).T, int4["unpacked"])
 
 
-@pytest.mark.parametrize("q, match", [(np.full((2, 8), 8), r"\[-8, 7\]"), (np.zeros((2, 12), np.int8), "multiple"),
-                                      (np.full((2, 8), -9), r"\[-8, 7\]")])
+@pytest.mark.parametrize(
+    "q, match",
+    [(np.full((2, 8), 8), r"\[-8, 7\]"), (np.zeros((2, 12), np.int8), "multiple"), (np.full((2, 8), -9), r"\[-8, 7\]")],
+)
 def test_pack_int4_rejects_bad_input(q, match):
     with pytest.raises(ValueError, match=match):
         make_tiny.pack_int4(q)
@@ -45,8 +48,9 @@ def test_committed_tiny_is_what_make_tiny_writes(tmp_path):
     assert not cmp.left_only and not cmp.right_only
     for sub in ("", "drafter"):
         names = sorted(os.listdir(os.path.join(TINY, sub)))
-        _, mismatch, errors = filecmp.cmpfiles(os.path.join(TINY, sub), tmp_path / "t" / sub,
-                                               [n for n in names if n != "drafter"], shallow=False)
+        _, mismatch, errors = filecmp.cmpfiles(
+            os.path.join(TINY, sub), tmp_path / "t" / sub, [n for n in names if n != "drafter"], shallow=False
+        )
         assert not mismatch and not errors, (sub, mismatch, errors)
 
 
@@ -68,8 +72,10 @@ def test_k26_on_disk_format():
     text = [n for n in weight_map if not n.startswith(("vision_tower.", "mm_projector."))]
     assert all(n.startswith("language_model.") for n in text)
     first_moe = cfg.layer_kinds.index("moe")
-    expert0 = {weight_map[f"language_model.model.layers.{first_moe}.mlp.experts.0.{p}.weight_packed"]
-               for p in ("gate_proj", "up_proj", "down_proj")}
+    expert0 = {
+        weight_map[f"language_model.model.layers.{first_moe}.mlp.experts.0.{p}.weight_packed"]
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
     assert len(expert0) > 1, "one expert's projections must straddle shards"
     name = f"language_model.model.layers.{first_moe}.mlp.experts.3.down_proj."
     with safe_open(os.path.join(TINY, weight_map[name + "weight_shape"]), "numpy") as f:
@@ -93,18 +99,27 @@ def test_tokenizer_files():
     assert all(ranks[bytes([b])] == b for b in range(256))
     for token in ranks:  # every merged token splits into two tokens of lower rank (a valid BPE merge)
         if len(token) > 1:
-            assert any(token[:i] in ranks and token[i:] in ranks and max(ranks[token[:i]], ranks[token[i:]])
-                       < ranks[token] for i in range(1, len(token))), token
+            assert any(
+                token[:i] in ranks and token[i:] in ranks and max(ranks[token[:i]], ranks[token[i:]]) < ranks[token]
+                for i in range(1, len(token))
+            ), token
     with open(os.path.join(TINY, "tokenizer_config.json")) as f:
         tok_cfg = json.load(f)
     special = {int(i): v["content"] for i, v in tok_cfg["added_tokens_decoder"].items()}
     assert sorted(special) == list(range(V - 256, V))
-    for k2_id, token in ((163584, "[BOS]"), (163585, "[EOS]"), (163586, "<|im_end|>"), (163601, "<|im_middle|>"),
-                         (163838, "[UNK]"), (163839, "[PAD]")):
+    for k2_id, token in (
+        (163584, "[BOS]"),
+        (163585, "[EOS]"),
+        (163586, "<|im_end|>"),
+        (163601, "<|im_middle|>"),
+        (163838, "[UNK]"),
+        (163839, "[PAD]"),
+    ):
         assert special[k2_id - 163840 + V] == token
     assert special[V - 3] == f"<|reserved_token_{V - 3}|>"
     prompt = jinja2.Template(tok_cfg["chat_template"]).render(
-        messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True
+    )
     assert prompt.endswith("<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>")
 
 

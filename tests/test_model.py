@@ -1,4 +1,5 @@
 """Model blocks against numpy float64, prefill == decode, tree tails, and 8-device == 1-device."""
+
 import functools
 import json
 
@@ -8,9 +9,11 @@ import numpy as np
 import pytest
 
 import k26jax
-from k26jax import cache as kc, ops, sharding
+from k26jax import cache as kc
+from k26jax import ops, sharding
 from k26jax.config import ConfigError, ModelConfig, preset, preset_text_config
-from k26jax.model import layers as L, target
+from k26jax.model import layers as L
+from k26jax.model import target
 
 IMPLS = ops.Impls()
 
@@ -44,12 +47,35 @@ def test_rms_norm_matches_numpy():
     assert rel_err(L.rms_norm(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), 1e-6), ref) < 1e-6
 
 
-@pytest.mark.parametrize("name,anchors", [
-    ("k26", {0: 1.0, 8: 6.687403e-02, 9: 4.377666e-02, 14: 4.465849e-03, 19: 1.583750e-04, 20: 1.807023e-05,
-             31: 4.382206e-07}),
-    ("k2", {0: 1.0, 8: 6.687403e-02, 9: 4.768861e-02, 14: 8.794287e-03, 19: 1.621760e-03, 20: 3.614047e-05,
-            31: 8.764413e-07}),
-])
+@pytest.mark.parametrize(
+    "name,anchors",
+    [
+        (
+            "k26",
+            {
+                0: 1.0,
+                8: 6.687403e-02,
+                9: 4.377666e-02,
+                14: 4.465849e-03,
+                19: 1.583750e-04,
+                20: 1.807023e-05,
+                31: 4.382206e-07,
+            },
+        ),
+        (
+            "k2",
+            {
+                0: 1.0,
+                8: 6.687403e-02,
+                9: 4.768861e-02,
+                14: 8.794287e-03,
+                19: 1.621760e-03,
+                20: 3.614047e-05,
+                31: 8.764413e-07,
+            },
+        ),
+    ],
+)
 def test_yarn_inv_freq_anchors(name, anchors):
     text = preset_text_config("k26")
     if name == "k2":
@@ -91,10 +117,10 @@ def numpy_naive_mla(attn, x, cfg, rope):
 
     q = np.einsum("btr,rhq->bthq", norm(x @ a["q_a"], a["q_a_norm"]), a["q_b"])
     kv = x @ a["kv_a"]
-    c = norm(kv[..., :cfg.kv_lora_rank], a["kv_a_norm"])
-    k_pe = rot(kv[..., None, cfg.kv_lora_rank:]).repeat(cfg.num_attention_heads, 2)
+    c = norm(kv[..., : cfg.kv_lora_rank], a["kv_a_norm"])
+    k_pe = rot(kv[..., None, cfg.kv_lora_rank :]).repeat(cfg.num_attention_heads, 2)
     k = np.concatenate([np.einsum("bsr,hnr->bshn", c, a["w_uk"]), k_pe], -1)
-    qq = np.concatenate([q[..., :cfg.qk_nope_head_dim], rot(q[..., cfg.qk_nope_head_dim:])], -1)
+    qq = np.concatenate([q[..., : cfg.qk_nope_head_dim], rot(q[..., cfg.qk_nope_head_dim :])], -1)
     s = np.einsum("bthd,bshd->bhts", qq, k) * cfg.softmax_scale + np.triu(np.full((T, T), -np.inf), 1)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -113,8 +139,17 @@ def test_mla_naive_and_absorbed_match_numpy(tiny):
     assert rel_err(naive, ref) < 1e-5
     q_lat, q_pe = L.mla_absorbed_queries(attn, jnp.asarray(x), pos, cfg, rope)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((6, 6), bool)), (2, 6, 6))
-    o_lat = ops.mla_attention(q_lat, q_pe, jnp.zeros((1, 2, 4, cfg.latent_dim)), jnp.zeros(2, jnp.int32), rows,
-                              causal, scale=cfg.softmax_scale, layer=0, impls=IMPLS)
+    o_lat = ops.mla_attention(
+        q_lat,
+        q_pe,
+        jnp.zeros((1, 2, 4, cfg.latent_dim)),
+        jnp.zeros(2, jnp.int32),
+        rows,
+        causal,
+        scale=cfg.softmax_scale,
+        layer=0,
+        impls=IMPLS,
+    )
     assert rel_err(L.mla_absorbed_output(attn, o_lat), ref) < 1e-5
 
 
@@ -124,11 +159,11 @@ def numpy_route(kernel, bias, x, cfg):
     if cfg.n_group > 1:
         g = b.reshape(len(b), cfg.n_group, -1)
         gs = np.sort(g, -1)[..., -2:].sum(-1)
-        keep = np.argsort(-gs, -1, kind="stable")[:, :cfg.topk_group]
+        keep = np.argsort(-gs, -1, kind="stable")[:, : cfg.topk_group]
         mask = np.zeros_like(gs, bool)
         np.put_along_axis(mask, keep, True, -1)
         b = np.where(mask.repeat(g.shape[-1], 1), b, -np.inf)
-    ids = np.argsort(-b, -1, kind="stable")[:, :cfg.num_experts_per_tok]
+    ids = np.argsort(-b, -1, kind="stable")[:, : cfg.num_experts_per_tok]
     w = np.take_along_axis(s, ids, -1)
     if cfg.norm_topk_prob:
         w = w / (w.sum(-1, keepdims=True) + 1e-20)
@@ -158,13 +193,14 @@ def test_dense_dots_pad_rows_on_the_gpu(monkeypatch):
     w = jnp.asarray(rng.normal(size=(cfg.hidden_size, 24)), jnp.float32)
     kernel = jnp.asarray(rng.normal(size=(cfg.hidden_size, cfg.n_routed_experts)) * 0.05, jnp.float32)
     bias = jnp.zeros(cfg.n_routed_experts, jnp.float32)
-    xs = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((1, 1, cfg.hidden_size),
-                                                                         (2, 3, cfg.hidden_size))]
+    xs = [
+        jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((1, 1, cfg.hidden_size), (2, 3, cfg.hidden_size))
+    ]
     want = [(L.mm("btd,dk->btk", x, w), L.route(kernel, bias, x.reshape(-1, cfg.hidden_size), cfg)) for x in xs]
-    assert L.pad_rows(xs[0]) is xs[0]                                   # the CPU never pads
+    assert L.pad_rows(xs[0]) is xs[0]  # the CPU never pads
     monkeypatch.setattr(L.jax, "default_backend", lambda: "gpu")
     assert L.pad_rows(xs[0], 1).shape[0] == L.GPU_MIN_ROWS
-    assert L.pad_rows(xs[1], 3).shape[0] == 3                          # 3 x 3 rows >= 8
+    assert L.pad_rows(xs[1], 3).shape[0] == 3  # 3 x 3 rows >= 8
     assert L.pad_rows(xs[1], 4) is xs[1]
     for x, (dot, (ids, weights)) in zip(xs, want):
         np.testing.assert_allclose(L.mm("btd,dk->btk", x, w), dot, rtol=1e-6)
@@ -184,8 +220,7 @@ def test_prefill_equals_token_by_token_decode(tiny):
     cache = kc.write_prefill(cache, rows_p, jnp.array([P, P]))
     vis = jnp.ones((B, 1, 1), bool)
     for t in range(P, T):
-        logits, tail_rows, _ = tail(params, ids[:, t:t + 1], jnp.full((B, 1), t), cache.rows, cache.lengths, vis,
-                                    cfg)
+        logits, tail_rows, _ = tail(params, ids[:, t : t + 1], jnp.full((B, 1), t), cache.rows, cache.lengths, vis, cfg)
         assert rel_err(logits[:, 0], full[:, t]) < 1e-5, t
         cache = kc.commit_tail(cache, tail_rows, jnp.zeros((B, 1), jnp.int32), jnp.ones(B, jnp.int32))
     np.testing.assert_allclose(cache.rows[:, :, :T], rows, atol=1e-5)
@@ -196,7 +231,7 @@ def test_tree_tail_rows_see_exactly_their_ancestors(tiny):
     cfg, params = tiny
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, cfg.vocab_size, size=(1, 5))
-    parents = np.array([-1, 0, 0, 1, 2, 1, 4])          # node 0 = root (last prompt token)
+    parents = np.array([-1, 0, 0, 1, 2, 1, 4])  # node 0 = root (last prompt token)
     tokens = rng.integers(0, cfg.vocab_size, size=len(parents))
     depth = np.zeros(len(parents), int)
     vis = np.eye(len(parents), dtype=bool)
@@ -224,21 +259,26 @@ def test_eight_devices_equal_one_device(tiny, expert_mode):
     one = k26jax.Model(cfg, jax.tree.map(jnp.asarray, params), IMPLS).logits(ids)
     mesh = sharding.make_mesh(8)
     placed = k26jax.api.place(params, cfg, mesh, expert_mode)
-    assert placed["moe"]["mlp"]["w13_packed"].sharding.spec == sharding.param_partition_specs(
-        cfg, expert_mode)["moe"]["mlp"]["w13_packed"]
+    assert (
+        placed["moe"]["mlp"]["w13_packed"].sharding.spec
+        == sharding.param_partition_specs(cfg, expert_mode)["moe"]["mlp"]["w13_packed"]
+    )
     eight = k26jax.Model(cfg, placed, IMPLS, mesh).logits(ids)
     assert rel_err(eight, one) < 1e-5
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mutate,match", [
-    (lambda c: c.update(model_type="llama"), "unknown model_type 'llama'"),
-    (lambda c: c.update(scoring_func="softmax"), "scoring_func"),
-    (lambda c: c.update(topk_method="greedy"), "topk_method"),
-    (lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling type 'linear'"),
-    (lambda c: c.pop("kv_lora_rank"), "'kv_lora_rank' is missing"),
-    (lambda c: c.update(n_group=3), "n_group"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda c: c.update(model_type="llama"), "unknown model_type 'llama'"),
+        (lambda c: c.update(scoring_func="softmax"), "scoring_func"),
+        (lambda c: c.update(topk_method="greedy"), "topk_method"),
+        (lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling type 'linear'"),
+        (lambda c: c.pop("kv_lora_rank"), "'kv_lora_rank' is missing"),
+        (lambda c: c.update(n_group=3), "n_group"),
+    ],
+)
 def test_config_errors_name_the_field(mutate, match):
     text = preset_text_config("tiny")
     mutate(text)
@@ -253,8 +293,9 @@ def test_wrapper_configs(tmp_path):
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     with pytest.raises(ConfigError, match="FP8"):
         ModelConfig.from_hf_dict(dict(text, quantization_config=fp8))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text,
-                                                      "quantization_config": None}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "kimi_k25", "text_config": text, "quantization_config": None})
+    )
     cfg = ModelConfig.from_hf_dir(tmp_path)
     assert cfg.hidden_size == text["hidden_size"] and cfg.quant is None
     rp = dict(text, rope_parameters=dict(text.pop("rope_scaling"), rope_theta=text.pop("rope_theta")))

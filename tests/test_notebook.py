@@ -1,4 +1,5 @@
 """notebooks/decode_loop.ipynb runs top to bottom on the CPU (so it cannot rot)."""
+
 import os
 
 import nbformat
@@ -9,7 +10,8 @@ NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "notebooks", "decode_lo
 
 def test_decode_loop_notebook_executes():
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}}).execute()
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}}
+    ).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "mean accept length tau" in outputs

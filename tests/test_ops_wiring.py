@@ -1,5 +1,6 @@
 """The model through ops' Pallas paths (interpret mode) equals the reference paths, on 1 device and under
 shard_map on the 8-device mesh (experts EP and TP, heads split)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,8 +22,9 @@ def verify_logits(cfg, params, impls):
     for i in range(1, 5):
         vis[i] |= vis[parents[i]]
     rows = jax.random.normal(jax.random.key(0), (cfg.num_hidden_layers, 1, 16, cfg.latent_dim))
-    fn = jax.jit(lambda p: target.forward_tail(p, cfg, ids, positions, rows, jnp.array([4]), jnp.asarray(vis)[None],
-                                               impls)[0])
+    fn = jax.jit(
+        lambda p: target.forward_tail(p, cfg, ids, positions, rows, jnp.array([4]), jnp.asarray(vis)[None], impls)[0]
+    )
     return np.asarray(fn(params), np.float64)
 
 
@@ -36,6 +38,5 @@ def test_pallas_paths_match_reference(mode):
         got = verify_logits(cfg, params, ops.Impls(**PALLAS))
     else:
         mesh = sharding.make_mesh(8)
-        got = verify_logits(cfg, api.place(params, cfg, mesh, mode),
-                            ops.Impls(**PALLAS, mesh=mesh, expert_mode=mode))
+        got = verify_logits(cfg, api.place(params, cfg, mesh, mode), ops.Impls(**PALLAS, mesh=mesh, expert_mode=mode))
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5

@@ -1,4 +1,5 @@
 """Parity with Hugging Face transformers' DeepseekV3ForCausalLM on committed INT4 checkpoints (tests/fixtures)."""
+
 import os
 
 import numpy as np
@@ -26,7 +27,7 @@ def test_float32_logits_and_hidden_states_match_transformers(fixture):
     n = model.cfg.num_hidden_layers
     logits, hidden = model.logits(ref["input_ids"], hidden_layer_ids=tuple(range(n)))
     assert rel_err(logits, ref["logits"]) <= 1e-4
-    for layer in range(n - 1):                       # HF's hidden_states[i+1] = output of layer i
+    for layer in range(n - 1):  # HF's hidden_states[i+1] = output of layer i
         assert rel_err(hidden[layer], ref["hidden_states"][layer + 1]) <= 1e-4, layer
     assert rel_err(hidden[n - 1], ref["last_layer_output"]) <= 1e-4
 

@@ -4,11 +4,13 @@ Shapes are bucketed: a few compiled shapes serve many cases. Smaller trees are c
 setting logq to -inf past a request's own depth L_c and vocabulary V_c, which the build treats exactly
 like a shorter [L_c, V_c] input (zero-probability candidates are never pushed).
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
@@ -16,8 +18,9 @@ from k26jax import ddtree
 from pallas_kernels.tree_accept import tree_accept, tree_accept_reference
 from pallas_kernels.tree_build import draft_topk, tree_build, tree_build_reference, visibility_from_parents
 
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
+H200 = AbstractMesh(
+    (1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+)
 
 # (C, L, V = K, B): the main bucket, the largest budget, and the smallest tree.
 MAIN, LARGE, TINY = (4, 16, 64, 64), (2, 8, 512, 512), (3, 1, 1, 1)
@@ -42,12 +45,19 @@ def reference_trees(logq, ids, budgets, depths, vocabs, max_budget, **knobs):
     """k26jax.ddtree on each request's own [L_c, V_c] slice of the kernel's inputs, padded to max_budget."""
     trees = []
     for c, (budget, depth, vocab) in enumerate(zip(budgets, depths, vocabs)):
-        tree = ddtree.build_tree_from_topk(np.asarray(logq[c, :depth, :vocab]), np.asarray(ids[c, :depth, :vocab]),
-                                           int(budget), **knobs)
+        tree = ddtree.build_tree_from_topk(
+            np.asarray(logq[c, :depth, :vocab]), np.asarray(ids[c, :depth, :vocab]), int(budget), **knobs
+        )
         pad = max_budget - int(budget)
-        trees.append((np.pad(tree.tokens, (0, pad), constant_values=-1),
-                       np.pad(tree.depths, (0, pad), constant_values=-1),
-                       np.pad(tree.parents, (0, pad), constant_values=-1), tree.num_nodes, tree))
+        trees.append(
+            (
+                np.pad(tree.tokens, (0, pad), constant_values=-1),
+                np.pad(tree.depths, (0, pad), constant_values=-1),
+                np.pad(tree.parents, (0, pad), constant_values=-1),
+                tree.num_nodes,
+                tree,
+            )
+        )
     return trees
 
 
@@ -56,7 +66,8 @@ def check_build(logq, ids, budgets, depths, vocabs, max_budget, **knobs):
     xla = jax.device_get(tree_build_reference(logq, ids, budgets, max_budget=max_budget, **knobs))
     for out in (kernel, xla):
         for c, (tokens, depths_c, parents, num_nodes, _) in enumerate(
-                reference_trees(logq, ids, budgets, depths, vocabs, max_budget, **knobs)):
+            reference_trees(logq, ids, budgets, depths, vocabs, max_budget, **knobs)
+        ):
             np.testing.assert_array_equal(out[0][c], tokens)
             np.testing.assert_array_equal(out[1][c], depths_c)
             np.testing.assert_array_equal(out[2][c], parents)
@@ -68,9 +79,11 @@ def check_build(logq, ids, budgets, depths, vocabs, max_budget, **knobs):
 
 def request_shapes(bucket):
     num_requests, num_depths, vocab, max_budget = bucket
-    return st.tuples(st.lists(st.integers(0, max_budget), min_size=num_requests, max_size=num_requests),
-                     st.lists(st.integers(1, num_depths), min_size=num_requests, max_size=num_requests),
-                     st.lists(st.integers(1, vocab), min_size=num_requests, max_size=num_requests))
+    return st.tuples(
+        st.lists(st.integers(0, max_budget), min_size=num_requests, max_size=num_requests),
+        st.lists(st.integers(1, num_depths), min_size=num_requests, max_size=num_requests),
+        st.lists(st.integers(1, vocab), min_size=num_requests, max_size=num_requests),
+    )
 
 
 @settings(derandomize=True, max_examples=24, deadline=None)
@@ -81,7 +94,8 @@ def test_build_matches_reference(seed, shapes, tied):
     kernel = check_build(logq, ids, budgets_arr, depths, vocabs, MAIN[3])
     np.testing.assert_array_equal(
         np.asarray(visibility_from_parents(jnp.asarray(kernel[2]), max_depth=MAIN[1])),
-        np.stack([ddtree.visibility_from_parents(p) for p in kernel[2]]))
+        np.stack([ddtree.visibility_from_parents(p) for p in kernel[2]]),
+    )
 
 
 def test_build_possible_nodes_below_budget_and_l1():
@@ -120,8 +134,11 @@ def test_build_knobs(knobs):
 # (w - b0) + b1 > a1 + b0 in float32 while w + (b1 - b0) == a1 + b0: only the documented order picks (0,1).
 SIBLING_VS_CHILD = {
     "tie": ([[-0.5, -0.75], [-0.5, -0.75]], [10, 11, 20, 20, 21, 21], [-1, 0, 0, 1, 2, 1, 2]),
-    "rounding": ([[-1.9471888542175293, -1.9610860347747803], [-0.27708885073661804, -0.29098591208457947]],
-                 [10, 11, 20, 21, 20, 21], [-1, 0, 0, 1, 1, 2, 2]),
+    "rounding": (
+        [[-1.9471888542175293, -1.9610860347747803], [-0.27708885073661804, -0.29098591208457947]],
+        [10, 11, 20, 21, 20, 21],
+        [-1, 0, 0, 1, 1, 2, 2],
+    ),
 }
 
 
@@ -140,14 +157,15 @@ def test_tie_rule_and_score_arithmetic(case):
 def test_topk_front_end_full_vocab():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((1, 2, 163840)).astype(np.float32)
-    logits[0, 0, [5, 70000, 163839, 12]] = 9.0                    # tied maxima: lower ids first
+    logits[0, 0, [5, 70000, 163839, 12]] = 9.0  # tied maxima: lower ids first
     logq, ids = draft_topk(jnp.asarray(logits), 8)
     np_logq, np_ids = ddtree.topk_logprobs(logits[0], 8)
     np.testing.assert_array_equal(np.asarray(ids[0]), np_ids)
     assert np_ids[0, :4].tolist() == [5, 12, 70000, 163839]
     np.testing.assert_allclose(np.asarray(logq[0]), np_logq, rtol=1e-5)
     tokens, depths, parents, num_nodes = jax.device_get(
-        tree_build(logq, ids, jnp.array([8], jnp.int32), max_budget=8, interpret=True))
+        tree_build(logq, ids, jnp.array([8], jnp.int32), max_budget=8, interpret=True)
+    )
     tree = ddtree.build_tree(logits[0], 8)
     np.testing.assert_array_equal(tokens[0], tree.tokens)
     np.testing.assert_array_equal(parents[0], tree.parents)
@@ -192,9 +210,10 @@ def test_accept_to_a_leaf_large_and_tiny():
     for bucket, budgets, depths, vocabs in ((LARGE, [512, 40], [8, 8], [512, 3]), (TINY, [1, 0, 1], [1] * 3, [1] * 3)):
         logq, ids, budgets_arr = make_inputs(1, bucket, budgets, depths, vocabs, tied=False)
         tokens, _, parents, num_nodes = jax.device_get(
-            tree_build_reference(logq, ids, budgets_arr, max_budget=bucket[3]))
+            tree_build_reference(logq, ids, budgets_arr, max_budget=bucket[3])
+        )
         kernel = check_accept(tokens, parents, num_nodes, random_post(1, tokens, parents, num_nodes, 1.0), bucket[1])
-        for c, budget in enumerate(budgets):                      # agreeing target: walk ends at a leaf
+        for c, budget in enumerate(budgets):  # agreeing target: walk ends at a leaf
             last = kernel[0][c][kernel[1][c] - 1]
             assert (kernel[1][c] >= 2) == (budget > 0) and last not in parents[c]
 
@@ -211,8 +230,16 @@ def lower_for_cuda(fn, *args):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("bucket,knobs", [(TINY, {}), ((64, 7, 64, 64), {}), ((64, 15, 256, 256), {}),
-                                          (LARGE, {}), ((8, 7, 16, 16), dict(max_topk=4, depth_bonus=0.2))])
+@pytest.mark.parametrize(
+    "bucket,knobs",
+    [
+        (TINY, {}),
+        ((64, 7, 64, 64), {}),
+        ((64, 15, 256, 256), {}),
+        (LARGE, {}),
+        ((8, 7, 16, 16), dict(max_topk=4, depth_bonus=0.2)),
+    ],
+)
 def test_lowers_for_cuda(bucket, knobs):
     num_requests, num_depths, k, max_budget = bucket
     logq = jnp.zeros((num_requests, num_depths, k), jnp.float32)
@@ -222,8 +249,7 @@ def test_lowers_for_cuda(bucket, knobs):
     assert plgpu.CUSTOM_CALL_TARGET_NAME in hlo
     tokens = jnp.zeros((num_requests, max_budget), jnp.int32)
     rows = jnp.zeros((num_requests, max_budget + 1), jnp.int32)
-    hlo = lower_for_cuda(lambda t, p, q, n: tree_accept(t, p, q, n, max_depth=num_depths),
-                         tokens, rows, rows, budgets)
+    hlo = lower_for_cuda(lambda t, p, q, n: tree_accept(t, p, q, n, max_depth=num_depths), tokens, rows, rows, budgets)
     assert plgpu.CUSTOM_CALL_TARGET_NAME in hlo
 
 
@@ -254,5 +280,5 @@ def test_accept_chains_with_non_power_of_two_budgets(budget):
     tokens = np.arange(10, 10 + budget, dtype=np.int32)[None]
     parents = np.arange(-1, budget, dtype=np.int32)[None]
     post = np.concatenate([tokens[0], [99]])[None].astype(np.int32)
-    post[0, budget // 2] = 98                              # the target disagrees halfway down the chain
+    post[0, budget // 2] = 98  # the target disagrees halfway down the chain
     check_accept(tokens, parents, np.array([budget], np.int32), jnp.asarray(post), budget)

@@ -18,6 +18,7 @@ D hidden, F = len(target_layer_ids) * D, Hq/Hkv heads, K head_dim, I intermediat
 The compute dtype is the parameters' (bf16 by default, float32 for exactness tests); matmuls accumulate in fp32,
 norm statistics and softmax are fp32, logits are returned in float32.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,9 +48,9 @@ class DrafterAttention(nnx.Module):
     def __init__(self, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
         n, D, K = cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim
         Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.q = _param(rngs, (n, D, Hq, K), dtype, D ** -0.5)
-        self.k = _param(rngs, (n, D, Hkv, K), dtype, D ** -0.5)
-        self.v = _param(rngs, (n, D, Hkv, K), dtype, D ** -0.5)
+        self.q = _param(rngs, (n, D, Hq, K), dtype, D**-0.5)
+        self.k = _param(rngs, (n, D, Hkv, K), dtype, D**-0.5)
+        self.v = _param(rngs, (n, D, Hkv, K), dtype, D**-0.5)
         self.o = _param(rngs, (n, Hq, K, D), dtype, (Hq * K) ** -0.5)
         self.q_norm = _param(rngs, (n, K), dtype, None)
         self.k_norm = _param(rngs, (n, K), dtype, None)
@@ -58,8 +59,8 @@ class DrafterAttention(nnx.Module):
 class DrafterMLP(nnx.Module):
     def __init__(self, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
         n, D, I = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
-        self.gate_up = _param(rngs, (n, D, 2, I), dtype, D ** -0.5)
-        self.down = _param(rngs, (n, I, D), dtype, I ** -0.5)
+        self.gate_up = _param(rngs, (n, D, 2, I), dtype, D**-0.5)
+        self.down = _param(rngs, (n, I, D), dtype, I**-0.5)
 
 
 class DrafterLayers(nnx.Module):
@@ -77,7 +78,7 @@ class DFlashDrafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
         self.cfg = cfg
         D = cfg.hidden_size
-        self.fc = _param(rngs, (cfg.context_dim, D), dtype, cfg.context_dim ** -0.5)
+        self.fc = _param(rngs, (cfg.context_dim, D), dtype, cfg.context_dim**-0.5)
         self.hidden_norm = _param(rngs, (D,), dtype, None)
         self.final_norm = _param(rngs, (D,), dtype, None)
         self.layers = DrafterLayers(cfg, dtype, rngs)
@@ -154,17 +155,18 @@ def _attend(q_BQNK, k_ctx_BMSK, v_ctx_BMSK, k_blk_BMbK, v_blk_BMbK, visible_BS=N
     B, Q, N, K = q_BQNK.shape
     M = k_ctx_BMSK.shape[1]
     q = q_BQNK.reshape(B, Q, M, N // M, K)
-    s_ctx = jnp.einsum("bqmgk,bmsk->bmgqs", q, k_ctx_BMSK, preferred_element_type=F32) * K ** -0.5
+    s_ctx = jnp.einsum("bqmgk,bmsk->bmgqs", q, k_ctx_BMSK, preferred_element_type=F32) * K**-0.5
     if visible_BS is not None:
         s_ctx = jnp.where(visible_BS[:, None, None, None, :], s_ctx, -jnp.inf)
-    s_blk = jnp.einsum("bqmgk,bmtk->bmgqt", q, k_blk_BMbK, preferred_element_type=F32) * K ** -0.5
-    m = jnp.maximum(s_ctx.max(-1, keepdims=True), s_blk.max(-1, keepdims=True))     # finite: the block is seen
+    s_blk = jnp.einsum("bqmgk,bmtk->bmgqt", q, k_blk_BMbK, preferred_element_type=F32) * K**-0.5
+    m = jnp.maximum(s_ctx.max(-1, keepdims=True), s_blk.max(-1, keepdims=True))  # finite: the block is seen
     e_ctx, e_blk = jnp.exp(s_ctx - m), jnp.exp(s_blk - m)
     denom = e_ctx.sum(-1, keepdims=True) + e_blk.sum(-1, keepdims=True)
     p_ctx, p_blk = (e_ctx / denom).astype(v_ctx_BMSK.dtype), (e_blk / denom).astype(v_blk_BMbK.dtype)
     # batch dims first in the output: XLA CPU rejects this bf16 x bf16 -> f32 dot written straight to [b,q,m,g,k]
-    o_BMGQK = (jnp.einsum("bmgqs,bmsk->bmgqk", p_ctx, v_ctx_BMSK, preferred_element_type=F32)
-               + jnp.einsum("bmgqt,bmtk->bmgqk", p_blk, v_blk_BMbK, preferred_element_type=F32))
+    o_BMGQK = jnp.einsum("bmgqs,bmsk->bmgqk", p_ctx, v_ctx_BMSK, preferred_element_type=F32) + jnp.einsum(
+        "bmgqt,bmtk->bmgqk", p_blk, v_blk_BMbK, preferred_element_type=F32
+    )
     return o_BMGQK.astype(q_BQNK.dtype).transpose(0, 3, 1, 2, 4).reshape(B, Q, N, K)
 
 
@@ -306,12 +308,20 @@ def drafter_partition_specs(cfg: DrafterConfig, model_axis_size: int) -> dict:
     inter = MODEL if cfg.intermediate_size % model_axis_size == 0 else None
     fc_in = MODEL if cfg.context_dim % model_axis_size == 0 else None
     return {
-        "fc": P(fc_in, None), "hidden_norm": P(None), "final_norm": P(None),
+        "fc": P(fc_in, None),
+        "hidden_norm": P(None),
+        "final_norm": P(None),
         "layers": {
-            "input_norm": P(None, None), "post_attn_norm": P(None, None),
-            "attn": {"q": P(None, None, heads, None), "k": P(None, None, heads, None),
-                     "v": P(None, None, heads, None), "o": P(None, heads, None, None),
-                     "q_norm": P(None, None), "k_norm": P(None, None)},
+            "input_norm": P(None, None),
+            "post_attn_norm": P(None, None),
+            "attn": {
+                "q": P(None, None, heads, None),
+                "k": P(None, None, heads, None),
+                "v": P(None, None, heads, None),
+                "o": P(None, heads, None, None),
+                "q_norm": P(None, None),
+                "k_norm": P(None, None),
+            },
             "mlp": {"gate_up": P(None, None, None, inter), "down": P(None, inter, None)},
         },
     }

@@ -4,6 +4,7 @@ Shape letters: B batch, T tokens, S cache rows, D hidden, H heads, Rq q_lora, R 
 head dims, I an intermediate dim, E experts, k experts per token. Matmuls accumulate in fp32; norm statistics,
 softmax and router scores are fp32 (DESIGN.md, Numerics).
 """
+
 from __future__ import annotations
 
 import math
@@ -44,7 +45,7 @@ def mm(subscripts: str, x, w, out_dtype=None, precision=None):
         return jnp.einsum(subscripts, x.astype(F32), w.astype(F32), precision=precision).astype(out_dtype)
     padded = pad_rows(x, x.shape[1])
     out = jnp.einsum(subscripts, padded, w, preferred_element_type=F32, precision=precision).astype(out_dtype)
-    return out[:x.shape[0]]
+    return out[: x.shape[0]]
 
 
 def rms_norm(x, weight, eps: float):
@@ -75,8 +76,11 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
     extrapolation = (1 - ramp).astype(np.float32)
     inv_freq = inv_inter * (1 - extrapolation) + inv_extra * extrapolation
-    attention_factor = yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim) \
-        if rs.mscale_all_dim else yarn_mscale(rs.factor)
+    attention_factor = (
+        yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
+        if rs.mscale_all_dim
+        else yarn_mscale(rs.factor)
+    )
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
@@ -103,15 +107,15 @@ def mla_queries(attn, x_BTD, positions_BT, cfg: ModelConfig, rope):
     else:
         cq = rms_norm(mm("btd,dr->btr", x_BTD, attn["q_a"]), attn["q_a_norm"], cfg.latent_norm_eps)
         q = mm("btr,rhq->bthq", cq, attn["q_b"])
-    q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+    q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_nope, apply_rope(q_pe, positions_BT, *rope)
 
 
 def mla_latent_rows(attn, x_BTD, positions_BT, cfg: ModelConfig, rope):
     """The latent-cache rows of these tokens: [B,T,R+Dr] = [kv_a-normed c_kv, roped k_pe]."""
     kv = mm("btd,dc->btc", x_BTD, attn["kv_a"])
-    c_kv = rms_norm(kv[..., :cfg.kv_lora_rank], attn["kv_a_norm"], cfg.latent_norm_eps)
-    k_pe = apply_rope(kv[..., cfg.kv_lora_rank:], positions_BT, *rope)
+    c_kv = rms_norm(kv[..., : cfg.kv_lora_rank], attn["kv_a_norm"], cfg.latent_norm_eps)
+    k_pe = apply_rope(kv[..., cfg.kv_lora_rank :], positions_BT, *rope)
     return jnp.concatenate([c_kv, k_pe], axis=-1)
 
 
@@ -119,11 +123,13 @@ def mla_naive(attn, x_BTD, positions_BT, valid_BT, cfg: ModelConfig, rope):
     """Expanded MLA over the tokens themselves with a causal mask (prefill). Returns (out [B,T,D], rows)."""
     q_nope, q_pe = mla_queries(attn, x_BTD, positions_BT, cfg, rope)
     rows = mla_latent_rows(attn, x_BTD, positions_BT, cfg, rope)
-    c_kv, k_pe = rows[..., :cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:]
+    c_kv, k_pe = rows[..., : cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank :]
     k_nope = mm("bsr,hnr->bshn", c_kv, attn["w_uk"])
     v = mm("bsr,hvr->bshv", c_kv, attn["w_uv"])
-    scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, preferred_element_type=F32)
-              + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=F32)) * cfg.softmax_scale
+    scores = (
+        jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, preferred_element_type=F32)
+        + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=F32)
+    ) * cfg.softmax_scale
     T = x_BTD.shape[1]
     mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid_BT[:, None, :]
     scores = jnp.where(mask[:, None], scores, jnp.finfo(F32).min)

@@ -11,6 +11,7 @@ Parameter tree (= `nnx.state(model).to_pure_dict()`; [in, out] matmul layout; n 
                  w2_packed [n, E, Im/8, D] int32, w2_scale [n, E, Im/32, D] bf16
 Layers run in `cfg.layer_kinds` order as segments of consecutive same-kind layers (one scan per segment).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -40,40 +41,40 @@ def _const(shape, dtype, value: float):
 class MLA(nnx.Module):
     def __init__(self, cfg: ModelConfig, n: int, dtype, rngs: nnx.Rngs):
         D, H, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
-        Dq, std = cfg.qk_head_dim, D ** -0.5
+        Dq, std = cfg.qk_head_dim, D**-0.5
         if cfg.q_lora_rank is None:
             self.q = _param(rngs, (n, D, H, Dq), dtype, std)
         else:
             self.q_a = _param(rngs, (n, D, cfg.q_lora_rank), dtype, std)
             self.q_a_norm = _param(rngs, (n, cfg.q_lora_rank), dtype, None)
-            self.q_b = _param(rngs, (n, cfg.q_lora_rank, H, Dq), dtype, cfg.q_lora_rank ** -0.5)
+            self.q_b = _param(rngs, (n, cfg.q_lora_rank, H, Dq), dtype, cfg.q_lora_rank**-0.5)
         self.kv_a = _param(rngs, (n, D, R + cfg.qk_rope_head_dim), dtype, std)
         self.kv_a_norm = _param(rngs, (n, R), dtype, None)
-        self.w_uk = _param(rngs, (n, H, cfg.qk_nope_head_dim, R), dtype, R ** -0.5)
-        self.w_uv = _param(rngs, (n, H, cfg.v_head_dim, R), dtype, R ** -0.5)
+        self.w_uk = _param(rngs, (n, H, cfg.qk_nope_head_dim, R), dtype, R**-0.5)
+        self.w_uv = _param(rngs, (n, H, cfg.v_head_dim, R), dtype, R**-0.5)
         self.o = _param(rngs, (n, H, cfg.v_head_dim, D), dtype, (H * cfg.v_head_dim) ** -0.5)
 
 
 class MLP(nnx.Module):
     def __init__(self, D: int, I: int, n: int, dtype, rngs: nnx.Rngs):
-        self.gate_up = _param(rngs, (n, D, 2, I), dtype, D ** -0.5)
-        self.down = _param(rngs, (n, I, D), dtype, I ** -0.5)
+        self.gate_up = _param(rngs, (n, D, 2, I), dtype, D**-0.5)
+        self.down = _param(rngs, (n, I, D), dtype, I**-0.5)
 
 
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, n: int, dtype, rngs: nnx.Rngs):
         D, E, Im = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         g = cfg.quant.group_size if cfg.quant else 32
-        self.router_kernel = _param(rngs, (n, D, E), dtype, D ** -0.5)
+        self.router_kernel = _param(rngs, (n, D, E), dtype, D**-0.5)
         self.router_bias = _param(rngs, (n, E), jnp.float32, 0.01)
         if cfg.n_shared_experts:
             self.shared = MLP(D, Im * cfg.n_shared_experts, n, dtype, rngs)
         bits = lambda shape: nnx.Param(jax.random.bits(rngs.params(), shape, jnp.uint32).view(jnp.int32))
         # Uniform random INT4 values have std ~4.6: scales 1/(4.6 sqrt(fan_in)) keep activations O(1).
         self.w13_packed = bits((n, E, D // PACK, 2, Im))
-        self.w13_scale = _const((n, E, D // g, 2, Im), jnp.bfloat16, 1 / (4.6 * D ** 0.5))
+        self.w13_scale = _const((n, E, D // g, 2, Im), jnp.bfloat16, 1 / (4.6 * D**0.5))
         self.w2_packed = bits((n, E, Im // PACK, D))
-        self.w2_scale = _const((n, E, Im // g, D), jnp.bfloat16, 1 / (4.6 * Im ** 0.5))
+        self.w2_scale = _const((n, E, Im // g, D), jnp.bfloat16, 1 / (4.6 * Im**0.5))
 
 
 class DecoderStack(nnx.Module):
@@ -83,8 +84,9 @@ class DecoderStack(nnx.Module):
         self.input_norm = _param(rngs, (n, cfg.hidden_size), dtype, None)
         self.post_attn_norm = _param(rngs, (n, cfg.hidden_size), dtype, None)
         self.attn = MLA(cfg, n, dtype, rngs)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, n, dtype, rngs) if kind == "dense" \
-            else MoE(cfg, n, dtype, rngs)
+        self.mlp = (
+            MLP(cfg.hidden_size, cfg.intermediate_size, n, dtype, rngs) if kind == "dense" else MoE(cfg, n, dtype, rngs)
+        )
 
 
 class K2Model(nnx.Module):
@@ -94,7 +96,7 @@ class K2Model(nnx.Module):
         D, V = cfg.hidden_size, cfg.vocab_size
         self.embed = _param(rngs, (V, D), dtype, 1.0)
         self.final_norm = _param(rngs, (D,), dtype, None)
-        self.lm_head = _param(rngs, (D, V), dtype, D ** -0.5)
+        self.lm_head = _param(rngs, (D, V), dtype, D**-0.5)
         if cfg.num_dense_layers:
             self.dense = DecoderStack(cfg, "dense", cfg.num_dense_layers, dtype, rngs)
         if cfg.num_moe_layers:
@@ -156,9 +158,11 @@ def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden
     all_rows = []
     for kind, first, count, layer0 in segments(cfg):
         scanned, experts = _split_experts(params[kind])
-        xs = {"p": jax.tree.map(lambda a: a[first:first + count], scanned),
-              "layer": layer0 + jnp.arange(count, dtype=jnp.int32),
-              "index": first + jnp.arange(count, dtype=jnp.int32)}
+        xs = {
+            "p": jax.tree.map(lambda a: a[first : first + count], scanned),
+            "layer": layer0 + jnp.arange(count, dtype=jnp.int32),
+            "index": first + jnp.arange(count, dtype=jnp.int32),
+        }
 
         def body(carry, xs, kind=kind, experts=experts):
             h, feats = carry
@@ -166,8 +170,11 @@ def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden
             a, rows = attend(p["attn"], L.rms_norm(h, p["input_norm"], cfg.rms_norm_eps), xs["layer"])
             h = h + a
             x = L.rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
-            h = h + (L.swiglu_mlp(p["mlp"], x) if kind == "dense"
-                     else _moe_ffn(p["mlp"], experts, xs["index"], x, cfg, impls))
+            h = h + (
+                L.swiglu_mlp(p["mlp"], x)
+                if kind == "dense"
+                else _moe_ffn(p["mlp"], experts, xs["index"], x, cfg, impls)
+            )
             feats = jnp.where((wanted == xs["layer"])[:, None, None, None], h[None], feats)
             return (h, feats), rows
 
@@ -207,8 +214,17 @@ def forward_prefill(params, cfg: ModelConfig, ids_BT, lengths_B, impls: ops.Impl
     return lm_logits(params, cfg, h), rows, feats
 
 
-def forward_tail(params, cfg: ModelConfig, ids_BT, positions_BT, cache, prefix_len_B, visibility_BTT,
-                 impls: ops.Impls, hidden_layer_ids=()):
+def forward_tail(
+    params,
+    cfg: ModelConfig,
+    ids_BT,
+    positions_BT,
+    cache,
+    prefix_len_B,
+    visibility_BTT,
+    impls: ops.Impls,
+    hidden_layer_ids=(),
+):
     """Absorbed-MLA forward of T new tokens per sequence (decode T=1, tree verify T=B+1).
 
     Row t attends to cache rows [0, prefix_len) and to the tail rows u with visibility[t, u].
@@ -220,8 +236,9 @@ def forward_tail(params, cfg: ModelConfig, ids_BT, positions_BT, cache, prefix_l
     def attend(attn, x, layer):
         q_lat, q_pe = L.mla_absorbed_queries(attn, x, positions_BT, cfg, rope)
         rows = L.mla_latent_rows(attn, x, positions_BT, cfg, rope)
-        o_lat = ops.mla_attention(q_lat, q_pe, cache, prefix_len_B, rows, visibility_BTT,
-                                  scale=cfg.softmax_scale, layer=layer, impls=impls)
+        o_lat = ops.mla_attention(
+            q_lat, q_pe, cache, prefix_len_B, rows, visibility_BTT, scale=cfg.softmax_scale, layer=layer, impls=impls
+        )
         return L.mla_absorbed_output(attn, o_lat), rows
 
     h, rows, feats = run_layers(params, cfg, embed_tokens(params, ids_BT), attend, impls, hidden_layer_ids)
