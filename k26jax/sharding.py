@@ -47,7 +47,11 @@ def _mlp_specs() -> dict:
     return {"gate_up": P(None, None, None, MODEL), "down": P(None, MODEL, None)}
 
 
-def _expert_specs(expert_mode: str) -> dict:
+def expert_partition_specs(expert_mode: str = "ep") -> dict:
+    """PartitionSpecs of the stacked routed-expert leaves (w13_packed, w13_scale [n, E, D/g, 2, Im], w2_packed,
+    w2_scale [n, E, Im/g, D]): "ep" splits the experts, "tp" the intermediate dim Im (gate/up pairs stay whole)."""
+    if expert_mode not in EXPERT_MODES:
+        raise ValueError(f"expert_mode={expert_mode!r}: use one of {EXPERT_MODES}")
     if expert_mode == "ep":
         e = P(None, MODEL, None, None, None)
         return {
@@ -77,7 +81,11 @@ def param_partition_specs(cfg: ModelConfig, expert_mode: str = "ep") -> dict:
         if kind == "dense":
             layer["mlp"] = _mlp_specs()
         else:
-            mlp = {"router_kernel": P(None, None, None), "router_bias": P(None, None), **_expert_specs(expert_mode)}
+            mlp = {
+                "router_kernel": P(None, None, None),
+                "router_bias": P(None, None),
+                **expert_partition_specs(expert_mode),
+            }
             if cfg.n_shared_experts:
                 mlp["shared"] = _mlp_specs()
             layer["mlp"] = mlp
