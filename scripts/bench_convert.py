@@ -1,6 +1,6 @@
 """Converter benchmark on this CPU host: throughput against plain file copy, peak RSS against the largest layer.
 
-    .venv/bin/python scripts/bench_convert.py [--depths 2 4] [--experts 96] [--workdir /work/bench_convert_tmp]
+    python scripts/bench_convert.py [--depths 2 4] [--experts 96] [--workdir /work/bench_convert_tmp]
 
 For each depth N: writes a synthetic full-width `k26-depthN` HF checkpoint with `--experts` routed experts
 (python -m convert.make_tiny), copies its files once with shutil (the copy ceiling: same bytes read and written,
@@ -12,7 +12,6 @@ Writes bench/results/convert_cpu.json.
 """
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -21,12 +20,13 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import harness
 
-from convert import hf_layout  # noqa: E402
-from convert.make_tiny import hf_config, tiny_text_config  # noqa: E402
-from k26jax.config import ModelConfig  # noqa: E402
+from convert import hf_layout
+from convert.make_tiny import hf_config, tiny_text_config
+from k26jax.config import ModelConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONVERT_CHILD = """
 import json, sys
@@ -160,27 +160,16 @@ def main():
     p.add_argument("--depths", type=int, nargs="+", default=[2, 4])
     p.add_argument("--experts", type=int, default=96)
     p.add_argument("--workdir", default=os.path.join(os.path.dirname(ROOT), "bench_convert_tmp"))
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "convert_cpu.json"))
+    harness.add_record_args(p, os.path.join(ROOT, "bench", "results", "convert_cpu.json"))
     a = p.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
     try:
         rows = [bench_depth(d, a.experts, a.workdir) for d in a.depths]
     finally:
         shutil.rmtree(a.workdir, ignore_errors=True)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    record = {
-        "device": f"CPU host: {os.cpu_count()} cores, {ram_gib:.0f} GiB RAM, {platform.platform()}",
-        "date": datetime.date.today().isoformat(),
-        "commit": commit,
-        "command": "python " + " ".join(sys.argv),
-        "rows": rows,
-    }
-    with open(a.out, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
+    device = f"CPU host: {os.cpu_count()} cores, {ram_gib:.0f} GiB RAM, {platform.platform()}"
+    harness.write_json(harness.record_header(a.commit, device=device, rows=rows), a.out)
     print(f"wrote {a.out}")
 
 

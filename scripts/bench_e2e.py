@@ -20,11 +20,11 @@ the draft, the drafter) + latent cache and drafter context K/V up to the context
 rate. The same accounting per GPU, with a collective term, projects the 61-layer 8-GPU step (see `project`).
 
 GPU (one H200, ~7 min):
-  PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 470 \\
-      python3 scripts/bench_e2e.py --layers 12 --out $OUT/e2e_h200_depthN.json
+  PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 470 \\
+      python scripts/bench_e2e.py --layers 12 --out $OUT/e2e_h200_depthN.json
 CPU, 8 emulated devices, tiny shapes: DDTree/chain greedy == AR greedy on the mesh, then the same measurement
 path (its timings mean nothing):
-  PYTHONPATH=. python scripts/bench_e2e.py --cpu-mesh8 --out bench/results/e2e_cpu_mesh8.json
+  python scripts/bench_e2e.py --cpu-mesh8 --out bench/results/e2e_cpu_mesh8.json
 Re-project a record with other collective assumptions:
   python scripts/bench_e2e.py --project bench/results/e2e_h200_depthN.json --collective-us 15
 """
@@ -35,14 +35,12 @@ import argparse
 import concurrent.futures as cf
 import contextlib
 import dataclasses
-import datetime
 import functools
 import itertools
 import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -52,18 +50,17 @@ START = time.perf_counter()
 if __name__ == "__main__" and "--cpu-mesh8" in sys.argv:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from k26jax import api, engine, ops, sharding  # noqa: E402
+from k26jax import api, engine, generate, ops, sharding  # noqa: E402
 from k26jax import cache as kc  # noqa: E402
 from k26jax.config import DrafterConfig, ModelConfig, build_target_layer_ids, preset  # noqa: E402
-from k26jax.generate import generate  # noqa: E402
 from k26jax.model import drafter as drafter_lib  # noqa: E402
 from k26jax.model import target  # noqa: E402
 from pallas_kernels.tree_build import visibility_from_parents  # noqa: E402
@@ -499,40 +496,6 @@ def collective_ms(ops_list, n: int, latency_us: float, busbw_gbps: float) -> flo
 
 
 # ---- measuring -----------------------------------------------------------------------------------------------
-def ceilings(small: bool) -> dict:
-    """Copy rate (x + 1, bytes read + written) and bf16 matmul rate with XLA, median of repeats."""
-    n = 1 << (20 if small else 30)
-    xs = [jnp.full((n,), i, jnp.float32) for i in range(2)]
-    add = jax.jit(lambda x: x + 1)
-    copy_s = _median_call_s(lambda i: add(xs[i % 2]), 10 if small else 20)
-    m = 256 if small else 8192
-    a = [jnp.full((m, m), 0.5 + i, jnp.bfloat16) for i in range(2)]
-    dot = jax.jit(lambda x, y: x @ y)
-    dot_s = _median_call_s(lambda i: dot(a[i % 2], a[1 - i % 2]), 10 if small else 20)
-    return {
-        "kind": "ceiling",
-        "copy_TBps": 2 * 4 * n / copy_s / 1e12,
-        "copy_bytes": 8 * n,
-        "matmul_bf16_TFLOPs": 2 * m**3 / dot_s / 1e12,
-        "matmul_dim": m,
-    }
-
-
-def _median_call_s(call, calls: int, repeats: int = 5) -> float:
-    """Median over repeats of the time per call of `calls` back-to-back calls (only the last output is kept:
-    the calls run in order on one stream, so it finishes last)."""
-    jax.block_until_ready(call(0))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for i in range(calls):
-            last = call(i)
-        jax.block_until_ready(last)
-        times.append((time.perf_counter() - start) / calls)
-        del last
-    return statistics.median(times)
-
-
 KERNEL_NAMES = {
     "moe_gate_up": "moe",
     "moe_down": "moe",
@@ -792,10 +755,14 @@ class Runner:
         state, first = call(state, 1)
         state, one = call(state, 1)
         steps = int(min(STEPS_CAP, max(3, self.args.rep_seconds / max(one, 1e-6))))
-        reps = []
-        for _ in range(self.args.repeats):
-            state, seconds = call(state, steps)
-            reps.append(seconds / steps)
+        carry = [state]
+
+        def run_steps(_):  # `steps` steps from the reset state; the state is donated, so it is carried along
+            carry[0] = compiled(params, dparams, reset(carry[0]), put(np.int32(steps)))
+            return carry[0]
+
+        reps = harness.time_calls(run_steps, calls=1, per_call=steps, repeats=self.args.repeats, warmup=False)
+        state = carry[0]
         accept = np.asarray(state.accept_lens)[:steps]
         return {"reps": reps, "steps": steps, "first_call_s": first, "accept": accept}, state
 
@@ -807,14 +774,14 @@ class Runner:
             return dict(row, skipped="compile not ready before the deadline")
         keys = jax.random.split(jax.random.key(v.C), 3)
         logits = [jax.random.normal(k, (v.C, s.dcfg.block_size - 1, s.cfg.vocab_size), jnp.float32) for k in keys]
-        seconds = _median_call_s(lambda i: entry["compiled"](logits[i % 3]), 20)
+        seconds = harness.median_seconds(harness.rotating(entry["compiled"], [(x,) for x in logits]), calls=20)
         return dict(row, build_ms=1e3 * seconds, impls=impls_summary(s.impls))
 
     def add(self, row):
         if row is None:
             return
         self.record["rows"].append(row)
-        write_record(self.record, self.out_path)
+        harness.write_json(self.record, self.out_path)
         if row.get("kind") == "step" and "step_ms" in row:
             print(
                 f"[{time.perf_counter() - START:6.1f}s] N={row['layers']} {row['variant']:>20} C={row['C']:>2} "
@@ -1134,13 +1101,6 @@ def cpu_correctness(args, mesh) -> list[dict]:
 
 
 # ---- records and the table -----------------------------------------------------------------------------------
-def write_record(record, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
-
-
 def table(record) -> str:
     lines = ["| N | variant | C | ctx | step ms | tok/s | floor ms | % floor |", "|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
@@ -1167,19 +1127,6 @@ def table(record) -> str:
     return "\n".join(lines)
 
 
-def _commit() -> str:
-    """HEAD, marked "+uncommitted" when tracked files differ from it (as on a device copy of a working tree)."""
-    git = lambda *a: subprocess.run(
-        ["git", *a], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__))
-    ).stdout.strip()
-    try:
-        return (git("rev-parse", "--short", "HEAD") or "unknown") + (
-            "+uncommitted" if git("status", "--porcelain", "--untracked-files=no") else ""
-        )
-    except OSError:
-        return "unknown"
-
-
 CPU_MESH8_DEFAULTS = dict(
     preset="tiny",
     out="bench/results/e2e_cpu_mesh8.json",
@@ -1197,7 +1144,7 @@ CPU_MESH8_DEFAULTS = dict(
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/e2e_h200_depthN.json")
+    harness.add_record_args(ap, "bench/results/e2e.json")
     ap.add_argument("--preset", default="k26", choices=("k26", "tiny"), help="k26: k26-depthN at full width")
     ap.add_argument("--layers", type=int, default=12, help="N (the N/2 rows give the per-layer cost)")
     ap.add_argument("--tau", type=float, default=5.3, help="DDTree accept length (Kimi-K2.5 DFlash figure)")
@@ -1272,27 +1219,24 @@ def main(argv=None) -> int:
             record = json.load(f)
         record["projection_assumptions"] = assumptions
         record["rows"] = [r for r in record["rows"] if r.get("kind") != "projection"] + project(record)
-        write_record(record, args.project)
+        harness.write_json(record, args.project)
         print(table(record))
         return 0
     mesh = sharding.make_mesh()
-    record = {
-        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-        "backend": jax.default_backend(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
-        "command": " ".join(sys.argv),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "jax": jax.__version__,
-        "args": vars(args),
-        "projection_assumptions": assumptions,
-        "rows": [],
-    }
+    record = harness.record_header(
+        args.commit,
+        backend=jax.default_backend(),
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        jax=jax.__version__,
+        args=vars(args),
+        projection_assumptions=assumptions,
+        rows=[],
+    )
     if jax.default_backend() == "cpu":
         record["note"] = "CPU: timings are not meaningful; this run checks correctness and the measurement path"
     small = jax.default_backend() == "cpu"
     try:
-        record["ceilings"] = ceilings(small)
+        record["ceilings"] = {"kind": "ceiling", **harness.measure_ceilings(small).record()}
     except Exception as error:  # noqa: BLE001 -- keep going with the figures DESIGN.md quotes for this H200
         record["ceilings"] = {
             "kind": "ceiling",
@@ -1307,12 +1251,12 @@ def main(argv=None) -> int:
         for row in cpu_correctness(args, mesh):
             record["rows"].append(row)
             print(f"[correctness] {row}", flush=True)
-        write_record(record, args.out)
+        harness.write_json(record, args.out)
     args.layers = fit_layers(args, record)
     run_plan(args, mesh, record, args.out)
     if args.preset == "k26":
         record["rows"] += project(record)
-    write_record(record, args.out)
+    harness.write_json(record, args.out)
     print(table(record), flush=True)
     ok = all(r["equal_to_ar"] for r in record["rows"] if r.get("kind") == "correctness")
     return 0 if ok else 1

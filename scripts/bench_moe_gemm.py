@@ -1,33 +1,24 @@
 """Benchmark pallas_kernels.int4_moe_gemm.fused_moe at K2.6 shapes against its memory/compute floor.
 
-Rows: Triton tilings (int4_moe_gemm) and the Mosaic GPU kernels (int4_moe_mosaic, "mosaic_m<block_m>"); "*" marks
-the wrapper's default (tiling=None), which is the Mosaic kernels for bf16 at every M.
+  python scripts/bench_moe_gemm.py --out $OUT/moe_gemm_h200.json              (GPU)
+  python scripts/bench_moe_gemm.py --quick --out /tmp/moe_gemm_cpu.json       (tiny shapes, interpret mode)
 
-K2.6 MoE layer: 384 experts, top-8, D=7168, I=2048, uniform random routing. For each M it reports the time,
-touched-expert bytes (packed + scales), FLOPs, floor = max(bytes / copy ceiling, FLOPs / matmul ceiling) with
-both ceilings measured in the same run, % of floor and us/token; plus tile variants and three XLA baselines
-(unpack-from-int32 + einsum, jnp.int4 + einsum, bf16 ragged_dot). Every Pallas output is checked against
-fused_moe_reference first. Timing: a jitted fori_loop of back-to-back calls (each call's output is the next
-call's input, routings rotate), median of repeats; the touched weights of one call exceed L2.
-
-GPU:  PYTHONPATH=. python3 scripts/bench_moe_gemm.py --race mosaic --out bench/results/moe_gemm_h200.json
-CPU:  PYTHONPATH=. .venv/bin/python scripts/bench_moe_gemm.py --quick   (tiny shapes, interpret mode)
+K2.6 MoE layer: 384 experts, top-8, D = 7168, I = 2048, uniform random routing, bf16 activations, both GEMMs and
+the routing metadata. Rows per M: the Triton kernels at their default tiling ("triton") and the Mosaic GPU kernels
+at the block sizes that matter there ("mosaic_m<block_m>"); `default` marks the wrapper's own choice
+(tiling=None). Baselines: XLA unpack-from-int32 + einsum, jnp.int4 + einsum, bf16 ragged_dot.
+Floor = max(touched-expert bytes (packed + scales) / copy ceiling, 6*M*k*D*I FLOPs / matmul ceiling), both
+ceilings measured in the same run. Every Pallas row is first checked against fused_moe_reference (rel_err).
+Timing: a jitted fori_loop of chained calls (each output the next input, routings rotating), median of repeats;
+one call's touched weights exceed L2.
 """
 
 import argparse
-import concurrent.futures
-import dataclasses
-import datetime
 import functools
-import importlib.util
-import json
-import os
-import statistics
-import subprocess
-import sys
 import time
 import warnings
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,120 +31,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning, message="The Pall
 K26 = dict(num_experts=384, top_k=8, d=7168, i=2048)
 QUICK = dict(num_experts=16, top_k=4, d=256, i=256)
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-T = moe.Tiling
-TILINGS = {  # named candidates; all use the PTX bf16x2 dequant; "_nf" = N tiles fastest in launch order
-    "pair_n64": T(per_pair=True, block_n_gate_up=64, block_n_down=128, dequant="asm"),
-    "pair_n64_kw16": T(
-        per_pair=True, block_n_gate_up=64, block_n_down=128, block_kw_gate_up=16, block_kw_down=16, dequant="asm"
-    ),
-    "pair_n64_kw16_s4": T(
-        per_pair=True,
-        block_n_gate_up=64,
-        block_n_down=128,
-        block_kw_gate_up=16,
-        block_kw_down=16,
-        num_stages=4,
-        dequant="asm",
-    ),
-    "m16_n64": T(block_m=16, dequant="asm"),
-    "m16_n64_nf": T(block_m=16, n_fastest=True, dequant="asm"),
-    "m16_n64_kw16_nf": T(block_m=16, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, dequant="asm"),
-    "m16_n64_kw16_s4_nf": T(
-        block_m=16, block_kw_gate_up=16, block_kw_down=16, num_stages=4, n_fastest=True, dequant="asm"
-    ),
-    "m16_n64_d64_nf": T(block_m=16, block_n_down=64, n_fastest=True, dequant="asm"),
-    "m32_n64_nf": T(block_m=32, n_fastest=True, dequant="asm"),
-    "m32_n64_d64_nf": T(block_m=32, block_n_down=64, n_fastest=True, dequant="asm"),
-    "m32_n64_kw16_nf": T(block_m=32, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, dequant="asm"),
-    "m32_n64_kw16_s4_nf": T(
-        block_m=32, block_kw_gate_up=16, block_kw_down=16, num_stages=4, n_fastest=True, dequant="asm"
-    ),
-    "m32_n128_w8_nf": T(block_m=32, block_n_gate_up=128, block_n_down=256, num_warps=8, n_fastest=True, dequant="asm"),
-    # "_swap": weights as the MMA's register operand (out^T = w^T x^T), so Triton emits wgmma
-    "m16_n64_swap_nf": T(block_m=16, n_fastest=True, swap_ab=True, dequant="asm"),
-    "m16_n64_kw16_swap_nf": T(
-        block_m=16, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True, dequant="asm"
-    ),
-    "m32_n64_swap_nf": T(block_m=32, n_fastest=True, swap_ab=True, dequant="asm"),
-    "m32_n64_kw16_swap_nf": T(
-        block_m=32, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True, dequant="asm"
-    ),
-    "m32_n64_kw16_s4_swap_nf": T(
-        block_m=32, block_kw_gate_up=16, block_kw_down=16, num_stages=4, n_fastest=True, swap_ab=True, dequant="asm"
-    ),
-    "m64_n64_kw16_swap_nf": T(
-        block_m=64, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True, dequant="asm"
-    ),
-    "m64_n128_kw16_w8_swap_nf": T(
-        block_m=64,
-        block_n_gate_up=128,
-        block_n_down=256,
-        block_kw_gate_up=16,
-        block_kw_down=16,
-        num_warps=8,
-        n_fastest=True,
-        swap_ab=True,
-        dequant="asm",
-    ),
-}
-SWAP_RACE = {  # run 8: swapped-operand (wgmma) candidates against the current defaults
-    16: ("m16_n64_nf", "m16_n64_swap_nf", "m16_n64_kw16_swap_nf"),
-    128: ("m16_n64_nf", "m16_n64_swap_nf", "m16_n64_kw16_swap_nf", "m32_n64_kw16_swap_nf"),
-    256: ("m16_n64_nf", "m16_n64_swap_nf", "m16_n64_kw16_swap_nf", "m32_n64_kw16_swap_nf"),
-    512: ("m16_n64_nf", "m16_n64_swap_nf", "m16_n64_kw16_swap_nf", "m32_n64_kw16_swap_nf", "m32_n64_swap_nf"),
-    1024: ("m32_n64_nf", "m32_n64_swap_nf", "m32_n64_kw16_swap_nf", "m32_n64_kw16_s4_swap_nf", "m64_n64_kw16_swap_nf"),
-    4096: ("m32_n128_w8_nf", "m64_n64_kw16_swap_nf", "m64_n128_kw16_w8_swap_nf"),
-}
-MOSAIC = {  # int4_moe_mosaic.fused_moe_mosaic's arguments; "_full": every block multiplies all block_m rows
-    **{f"mosaic_m{block_m}": dict(block_m=block_m) for block_m in (16, 32, 64)},
-    **{f"mosaic_m{block_m}_full": dict(block_m=block_m, width_step=block_m) for block_m in (16, 32, 64)},
-    "mosaic_m64_s16": dict(block_m=64, width_step=16),
-}
-WIDTHS_RACE = {  # run 18: each block's valid rows rounded up to a wgmma width against all block_m rows; run 19: sizes
-    8: ("mosaic_m16", "mosaic_m16_full"),
-    64: ("mosaic_m16", "mosaic_m16_full"),
-    128: ("mosaic_m16", "mosaic_m32"),
-    256: ("mosaic_m16", "mosaic_m16_full", "mosaic_m32"),
-    512: ("mosaic_m16", "mosaic_m16_full", "mosaic_m32"),
-    1024: ("mosaic_m32", "mosaic_m32_full", "mosaic_m64", "mosaic_m64_s16"),
-    2048: ("mosaic_m32", "mosaic_m32_full", "mosaic_m64", "mosaic_m64_s16"),
-    4096: ("mosaic_m64", "mosaic_m64_full", "mosaic_m64_s16", "mosaic_m32"),
-}
-MOSAIC_RACE = {  # the Mosaic GPU kernels against the Triton defaults
-    1: ("pair_n64", "mosaic_m16"),
-    2: ("pair_n64", "mosaic_m16"),
-    4: ("pair_n64", "mosaic_m16"),
-    8: ("m16_n64_nf", "mosaic_m16"),
-    16: ("m16_n64_nf", "mosaic_m16"),
-    32: ("m16_n64_nf", "mosaic_m16"),
-    64: ("m16_n64_nf", "mosaic_m16"),
-    128: ("m16_n64_nf", "mosaic_m16"),
-    256: ("m16_n64_nf", "mosaic_m16", "mosaic_m32"),
-    512: ("m16_n64_nf", "mosaic_m16", "mosaic_m32"),
-    1024: ("m32_n64_nf", "mosaic_m16", "mosaic_m32", "mosaic_m64"),
-    4096: ("m64_n64_kw16_swap_nf", "mosaic_m32", "mosaic_m64"),
-}
-CANDIDATES = {  # raced per M (the wrapper's choose_tiling is set from these results)
-    1: ("pair_n64", "pair_n64_kw16", "pair_n64_kw16_s4"),
-    2: ("pair_n64", "pair_n64_kw16", "pair_n64_kw16_s4"),
-    4: ("pair_n64", "pair_n64_kw16", "pair_n64_kw16_s4"),
-    8: ("m16_n64", "m16_n64_nf", "m16_n64_kw16_nf", "m16_n64_kw16_s4_nf", "pair_n64_kw16_s4"),
-    16: ("m16_n64_nf", "m16_n64_kw16_nf", "m16_n64_kw16_s4_nf", "m16_n64_d64_nf"),
-    32: ("m16_n64_nf", "m16_n64_kw16_nf", "m16_n64_kw16_s4_nf"),
-    64: ("m16_n64_nf", "m16_n64_kw16_nf", "m16_n64_kw16_s4_nf"),
-    128: ("m16_n64_nf", "m16_n64_kw16_nf", "m16_n64_kw16_s4_nf", "m32_n64_kw16_s4_nf", "m16_n64_d64_nf"),
-    256: ("m16_n64_nf", "m16_n64_kw16_nf", "m16_n64_kw16_s4_nf", "m32_n64_kw16_s4_nf", "m16_n64_d64_nf"),
-    512: (
-        "m16_n64_nf",
-        "m16_n64_kw16_s4_nf",
-        "m32_n64_kw16_nf",
-        "m32_n64_kw16_s4_nf",
-        "m16_n64_d64_nf",
-        "m32_n64_d64_nf",
-    ),
-    1024: ("m32_n64_nf", "m32_n64_kw16_nf", "m32_n64_kw16_s4_nf", "m16_n64_kw16_s4_nf", "m32_n64_d64_nf"),
-    4096: ("m64_n64_kw16_swap_nf", "m32_n128_w8_nf", "m32_n64_kw16_s4_nf"),
-}
+MOSAIC_BLOCKS = {256: (16, 32), 512: (16, 32), 1024: (16, 32, 64), 2048: (32, 64), 4096: (32, 64)}  # else (16,)
 BASELINE_MS = (1, 16, 128, 1024)
 RAGGED_MS = (1, 16, 128)  # XLA lowers ragged_dot densely here (all experts): larger M runs out of memory
 
@@ -162,15 +40,15 @@ def random_weights(key, num_experts, d, i):
     """Random packed INT4 experts in the kernel layout; scales keep |y| below |x| so chained calls stay finite."""
     k13, k2, ks13, ks2 = jax.random.split(key, 4)
     bits = lambda k, shape: jax.lax.bitcast_convert_type(jax.random.bits(k, shape, jnp.uint32), jnp.int32)
-    w13_packed = bits(k13, (num_experts, d // 8, 2, i))
-    w2_packed = bits(k2, (num_experts, i // 8, d))
-    w13_scale = (jax.random.uniform(ks13, (num_experts, d // 32, 2, i), minval=0.5, maxval=1.5) / (4 * d**0.5)).astype(
+    scale = lambda k, shape, fan_in: (jax.random.uniform(k, shape, minval=0.5, maxval=1.5) / (4 * fan_in**0.5)).astype(
         jnp.bfloat16
     )
-    w2_scale = (jax.random.uniform(ks2, (num_experts, i // 32, d), minval=0.5, maxval=1.5) / (4 * i**0.5)).astype(
-        jnp.bfloat16
+    return (
+        bits(k13, (num_experts, d // 8, 2, i)),
+        scale(ks13, (num_experts, d // 32, 2, i), d),
+        bits(k2, (num_experts, i // 8, d)),
+        scale(ks2, (num_experts, i // 32, d), i),
     )
-    return w13_packed, w13_scale, w2_packed, w2_scale
 
 
 def random_routings(key, count, num_tokens, num_experts, top_k):
@@ -195,8 +73,7 @@ def xla_int4_moe(x, topk_ids, topk_weights, w13_int4, w13_scale, w2_int4, w2_sca
         e, w13, s13, w2, s2 = expert
         w13 = (w13.astype(jnp.bfloat16) * jnp.repeat(s13.reshape(s13.shape[0], -1), 32, axis=0)).astype(x.dtype)
         w2 = (w2.astype(jnp.bfloat16) * jnp.repeat(s2, 32, axis=0)).astype(x.dtype)
-        gate_up = jnp.dot(x, w13, preferred_element_type=jnp.float32)
-        gate, up = jnp.split(gate_up, 2, axis=1)
+        gate, up = jnp.split(jnp.dot(x, w13, preferred_element_type=jnp.float32), 2, axis=1)
         out = jnp.dot((jax.nn.silu(gate) * up).astype(x.dtype), w2, preferred_element_type=jnp.float32)
         return y + jnp.sum(jnp.where(topk_ids == e, weights, 0.0), axis=1)[:, None] * out, None
 
@@ -233,120 +110,46 @@ def chained_loop(moe_fn, num_iters):
     return jax.jit(run)
 
 
-def median_seconds(compiled, args, num_iters, repeats):
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append((time.perf_counter() - start) / num_iters)
-    return statistics.median(times)
-
-
-def copy_ceiling(nbytes, repeats):
-    """Bytes read + written per second of a large XLA elementwise pass."""
-    x = jnp.zeros((nbytes // 4,), jnp.float32)
-    loop = jax.jit(lambda x: jax.lax.fori_loop(0, 10, lambda _, v: v + 1.0, x))
-    return 2 * x.nbytes / median_seconds(loop.lower(x).compile(), (x,), 10, repeats)
-
-
-def matmul_ceiling(n, repeats):
-    """bf16 n^3 XLA matmul FLOP/s."""
-    a = jnp.ones((n, n), jnp.bfloat16)
-    b = jnp.full((n, n), 1.0 / n, jnp.bfloat16)
-    loop = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, lambda _, v: v @ b, a))
-    return 2 * n**3 / median_seconds(loop.lower(a, b).compile(), (a, b), 10, repeats)
-
-
-def rel_err(y, y_ref):
-    y, y_ref = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
-    return float(np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref))
+def cases_for(m, shapes, interpret, x_dtype):
+    """[(name, kind, fn, is the wrapper's default)] of the Pallas rows at M = m."""
+    d, i, top_k = shapes["d"], shapes["i"], shapes["top_k"]
+    wrapper_block_m = moe.mosaic_block_m(m, x_dtype, d, i, interpret)
+    triton = moe.fit_tiling(moe.choose_tiling(m, top_k, x_dtype, interpret), d, i)
+    cases = [("triton", "pallas", functools.partial(moe.fused_moe, tiling=triton, interpret=interpret), False)]
+    if not wrapper_block_m:
+        return [(name, kind, fn, True) for name, kind, fn, _ in cases]
+    for block_m in sorted({*MOSAIC_BLOCKS.get(m, (16,)), wrapper_block_m}):
+        fn = functools.partial(int4_moe_mosaic.fused_moe_mosaic, block_m=block_m)
+        cases.append((f"mosaic_m{block_m}", "mosaic", fn, block_m == wrapper_block_m))
+    return cases
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_record_args(parser, "bench/results/moe_gemm.json")
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU smoke run)")
-    parser.add_argument("--out", default=None, help="JSON path (default: bench/results/moe_gemm_<device>.json)")
     parser.add_argument("--ms", default=None, help="comma-separated M sweep")
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--budget-s", type=float, default=200.0, help="start no new case after this many s")
-    parser.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse)")
-    parser.add_argument(
-        "--race",
-        choices=("default", "swap", "mosaic", "widths"),
-        default="default",
-        help="candidate set per M: CANDIDATES (default), SWAP_RACE, MOSAIC_RACE or WIDTHS_RACE",
-    )
-    parser.add_argument(
-        "--base-module",
-        default=None,
-        help="a copy of int4_moe_mosaic.py from another revision: every Mosaic case also runs "
-        "with it, as '<name>@base' (a same-run A/B)",
-    )
+    parser.add_argument("--budget-s", type=float, default=400.0, help="start no new case after this many s")
     args = parser.parse_args()
-    base = None
-    if args.base_module:
-        spec = importlib.util.spec_from_file_location("int4_moe_mosaic_base", args.base_module)
-        base = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
-    candidates = {"swap": SWAP_RACE, "mosaic": MOSAIC_RACE, "widths": WIDTHS_RACE}.get(args.race, CANDIDATES)
-    t_start = time.perf_counter()
-    shapes = QUICK if args.quick else K26
-    interpret = args.quick
+    start = time.perf_counter()
+    shapes, interpret = (QUICK, True) if args.quick else (K26, False)
     num_experts, top_k, d, i = shapes["num_experts"], shapes["top_k"], shapes["d"], shapes["i"]
     sweep = tuple(int(m) for m in args.ms.split(",")) if args.ms else ((1, 4, 32) if args.quick else SWEEP)
-    device = jax.devices()[0]
-    out_path = args.out or f"bench/results/moe_gemm_{'cpu_quick' if args.quick else device.device_kind}.json"
-    commit = (
-        args.commit
-        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    )
-    record = {
-        "device": device.device_kind,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit or "unknown",
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "shapes": shapes,
-        "rows": [],
-    }
+    ceilings = harness.measure_ceilings(small=args.quick)
+    record = harness.record_header(args.commit, shapes=shapes, ceilings=ceilings.record(), rows=[])
+    print(f"ceilings: {ceilings.record()}", flush=True)
 
-    def save():
-        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-        with open(out_path, "w") as f:
-            json.dump(record, f, indent=1)
-
-    copy_bw = copy_ceiling((1 << 24) if args.quick else (8 << 30), args.repeats)
-    mm_rate = matmul_ceiling(512 if args.quick else 8192, args.repeats)
-    record["copy_bytes_per_s"], record["matmul_flop_per_s"] = copy_bw, mm_rate
-    print(f"ceilings: copy {copy_bw / 1e12:.3f} TB/s, bf16 matmul {mm_rate / 1e12:.1f} TFLOP/s", flush=True)
-    save()
-
-    key = jax.random.PRNGKey(0)
+    key = jax.random.key(0)
     experts = random_weights(key, num_experts, d, i)
-    cases = []  # (name, kind, M, fn, operands, tiling)
-    routings = {}
+    routings, cases = {}, []  # cases: (name, kind, M, fn, operands, default)
     for m in sweep:
         ids, weights = random_routings(jax.random.fold_in(key, m), 4, m, num_experts, top_k)
-        x = jax.random.normal(jax.random.fold_in(key, 10_000 + m), (m, d), jnp.float32).astype(jnp.bfloat16)
-        routings[m] = (x.astype(jnp.float32) if args.quick else x, ids, weights)
-        default = moe.fit_tiling(moe.choose_tiling(m, top_k, routings[m][0].dtype, interpret), d, i)
-        names = () if args.quick else candidates.get(m, ())
-        named = {name: moe.fit_tiling(TILINGS[name], d, i) for name in names if name not in MOSAIC}
-        if default not in named.values():
-            named["default"] = default
-        for name, tiling in named.items():
-            fn = functools.partial(moe.fused_moe, tiling=tiling, interpret=interpret)
-            cases.append((name, "pallas", m, fn, experts, tiling))
-        mosaic_names = [n for n in names if n in MOSAIC]
-        wrapper_block_m = moe.mosaic_block_m(m, routings[m][0].dtype, d, i, interpret)
-        if wrapper_block_m and f"mosaic_m{wrapper_block_m}" not in mosaic_names:  # the wrapper's default
-            mosaic_names.append(f"mosaic_m{wrapper_block_m}")
-        for name in mosaic_names:
-            for suffix, module in (("", int4_moe_mosaic), ("@base", base)):
-                if module is not None:
-                    fn = functools.partial(module.fused_moe_mosaic, **MOSAIC[name])
-                    cases.append((name + suffix, "mosaic", m, fn, experts, None))
+        x = jax.random.normal(jax.random.fold_in(key, 10_000 + m), (m, d), jnp.float32)
+        routings[m] = (x if args.quick else x.astype(jnp.bfloat16), ids, weights)
+        for name, kind, fn, default in cases_for(m, shapes, interpret, routings[m][0].dtype):
+            cases.append((name, kind, m, fn, experts, default))
     if not args.no_baselines:
         k4a, k4b, kba, kbb = jax.random.split(jax.random.fold_in(key, 7), 4)
         int4 = (
@@ -356,15 +159,13 @@ def main():
             experts[3],
         )
         for m in routings if args.quick else [m for m in BASELINE_MS if m in routings]:
-            cases.append(("xla_unpack_int32_einsum", "baseline", m, moe.fused_moe_reference, experts, None))
-            cases.append(("xla_jnp_int4_einsum", "baseline", m, xla_int4_moe, int4, None))
+            cases.append(("xla_unpack_int32_einsum", "baseline", m, moe.fused_moe_reference, experts, False))
+            cases.append(("xla_jnp_int4_einsum", "baseline", m, xla_int4_moe, int4, False))
 
     def floor_of(m):
-        ids = np.asarray(routings[m][1])
-        touched = np.mean([len(np.unique(r)) for r in ids])
-        nbytes = touched * expert_bytes(d, i)
-        flops = 6.0 * m * top_k * d * i
-        return nbytes, flops, max(nbytes / copy_bw, flops / mm_rate)
+        touched = np.mean([len(np.unique(r)) for r in np.asarray(routings[m][1])])
+        nbytes, flops = touched * expert_bytes(d, i), 6.0 * m * top_k * d * i
+        return nbytes, flops, ceilings.floor_s(nbytes, flops)
 
     def iters_for(kind, m):
         if args.quick or kind == "baseline":  # baselines scan all experts: milliseconds per call at any M
@@ -374,39 +175,32 @@ def main():
     def compile_case(case):
         name, kind, m, fn, operands, _ = case
         x, ids, weights = routings[m]
-        try:
-            loop = chained_loop(fn, iters_for(kind, m))
-            single = jax.jit(fn).lower(x, ids[0], weights[0], *operands).compile() if kind != "baseline" else None
-            return loop.lower(x, ids, weights, *operands).compile(), single, None
-        except Exception as e:  # a variant that Triton cannot compile is reported, not fatal
-            return None, None, f"{type(e).__name__}: {str(e)[:300]}"
+        loop = chained_loop(fn, iters_for(kind, m)).lower(x, ids, weights, *operands).compile()
+        single = jax.jit(fn).lower(x, ids[0], weights[0], *operands).compile() if kind != "baseline" else None
+        return loop, single
 
     references = {}
 
     def measure(case, compiled):
-        name, kind, m, fn, operands, tiling = case
-        loop, single, error = compiled
+        name, kind, m, fn, operands, default = case
         nbytes, flops, floor = floor_of(m)
-        row = {"name": name, "kind": kind, "M": m, "touched_bytes": nbytes, "flops": flops, "floor_s": floor}
-        wrapper_block_m = moe.mosaic_block_m(m, routings[m][0].dtype, d, i, interpret)
-        if tiling is not None:
-            row["tiling"] = dataclasses.asdict(tiling)
-            row["default"] = not wrapper_block_m and tiling == moe.fit_tiling(
-                moe.choose_tiling(m, top_k, routings[m][0].dtype, interpret), d, i
-            )
-        elif kind == "mosaic":
-            row["default"] = MOSAIC.get(name) == dict(block_m=wrapper_block_m)
-        if error:
-            row["error"] = error
+        row = {"name": name, "kind": kind, "M": m, "default": default, "touched_bytes": nbytes, "flops": flops}
+        row["floor_s"] = floor
+        if isinstance(compiled, Exception):  # a kernel that does not compile at a shape is a result
+            row["error"] = harness.error_text(compiled)
         else:
+            loop, single = compiled
             x, ids, weights = routings[m]
             if single is not None:
                 if m not in references:
                     references[m] = jax.jit(moe.fused_moe_reference)(x, ids[0], weights[0], *experts)
                 y = single(x, ids[0], weights[0], *operands)
-                row["rel_err_vs_reference"] = rel_err(y, references[m])
+                row["rel_err_vs_reference"] = harness.relative_error(y, references[m])
                 row["finite"] = bool(np.isfinite(np.asarray(y, np.float32)).all())
-            seconds = median_seconds(loop, (x, ids, weights, *operands), iters_for(kind, m), args.repeats)
+            n = iters_for(kind, m)
+            seconds = harness.median_seconds(
+                harness.rotating(loop, [(x, ids, weights, *operands)]), calls=1, per_call=n, repeats=args.repeats
+            )
             row.update(
                 time_s=seconds,
                 us_per_token=seconds / m * 1e6,
@@ -414,19 +208,18 @@ def main():
                 effective_tb_per_s=nbytes / seconds / 1e12,
             )
         record["rows"].append(row)
-        save()
-        print(json.dumps(row), flush=True)
+        harness.write_json(record, args.out)
+        print(row, flush=True)
 
-    # Compile everything in parallel first (XLA autotunes baseline dots on the GPU while compiling, which
-    # would disturb timings), then time one case at a time; start no case once the budget is spent.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1 if args.quick else 12) as pool:
-        compiled = list(pool.map(compile_case, cases))
-    print(f"compiled {len(cases)} cases in {time.perf_counter() - t_start:.0f} s", flush=True)
-    for case, result in zip(cases, compiled):
-        if time.perf_counter() - t_start > args.budget_s:
+    compiled = harness.compile_all(
+        {n: functools.partial(compile_case, case) for n, case in enumerate(cases)}, workers=1 if args.quick else 12
+    )
+    print(f"compiled {len(cases)} cases in {time.perf_counter() - start:.0f} s", flush=True)
+    for n, case in enumerate(cases):
+        if time.perf_counter() - start > args.budget_s:
             print(f"budget spent, skipping {case[0]} M={case[2]}", flush=True)
             continue
-        measure(case, result)
+        measure(case, compiled[n])
     if not args.no_baselines:  # last and one at a time: XLA autotunes these dense dots on copies of the weights
         del int4
         bf16 = (
@@ -434,24 +227,22 @@ def main():
             jax.random.normal(kbb, (num_experts, i, d), jnp.bfloat16) * 0.01,
         )
         for m in routings if args.quick else [m for m in RAGGED_MS if m in routings]:
-            if time.perf_counter() - t_start > args.budget_s:
+            if time.perf_counter() - start > args.budget_s:
                 break
-            case = ("ragged_dot_bf16", "baseline", m, ragged_dot_moe, bf16, None)
-            measure(case, compile_case(case))
+            case = ("ragged_dot_bf16", "baseline", m, ragged_dot_moe, bf16, False)
+            measure(case, harness.compile_all({0: functools.partial(compile_case, case)}, workers=1)[0])
 
     print(
-        f"\n{'M':>5} {'case (* = default)':<24} {'time us':>9} {'floor us':>9} {'% floor':>8} {'us/tok':>8} "
-        f"{'TB/s':>6} {'err':>8}"
+        f"\n{'M':>5} {'case (* = default)':<24} {'time us':>9} {'floor us':>9} {'% floor':>8} {'us/tok':>8} {'err':>8}"
     )
     for row in record["rows"]:
         if "error" in row:
             print(f"{row['M']:>5} {row['name']:<24} ERROR {row['error'][:90]}")
             continue
         err = row.get("rel_err_vs_reference")
-        name = row["name"] + (" *" if row.get("default") else "")
         print(
-            f"{row['M']:>5} {name:<24} {row['time_s'] * 1e6:>9.1f} {row['floor_s'] * 1e6:>9.1f} "
-            f"{row['pct_of_floor']:>8.1f} {row['us_per_token']:>8.2f} {row['effective_tb_per_s']:>6.2f} "
+            f"{row['M']:>5} {row['name'] + (' *' if row['default'] else ''):<24} {row['time_s'] * 1e6:>9.1f} "
+            f"{row['floor_s'] * 1e6:>9.1f} {row['pct_of_floor']:>8.1f} {row['us_per_token']:>8.2f} "
             f"{'' if err is None else f'{err:.1e}':>8}"
         )
 

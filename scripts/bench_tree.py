@@ -13,60 +13,36 @@ Per (batch C, budget B, depth L), all requests at budget B with K = B candidates
 The copy and bf16-matmul ceilings are measured in the same run. Results go to --out as JSON after every
 configuration, so a run stopped by its deadline keeps what it measured.
 
-GPU:  PYTHONUNBUFFERED=1 timeout 140 python3 scripts/bench_tree.py --out $OUT/tree_h200.json
+GPU:  PYTHONUNBUFFERED=1 timeout 140 python scripts/bench_tree.py --deadline-s 105 --out $OUT/tree_h200.json
 CPU smoke (interpret mode):  python scripts/bench_tree.py --quick --out /tmp/tree_cpu.json
 """
 
 import argparse
-import datetime
 import functools
 import itertools
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from k26jax import ddtree  # noqa: E402
-from pallas_kernels.tree_accept import tree_accept, tree_accept_reference  # noqa: E402
-from pallas_kernels.tree_build import draft_topk, tree_build, tree_build_reference, visibility_from_parents  # noqa: E402
+from k26jax import ddtree
+from pallas_kernels.tree_accept import tree_accept, tree_accept_reference
+from pallas_kernels.tree_build import draft_topk, tree_build, tree_build_reference, visibility_from_parents
 
 DRAFT_VOCAB = 8192  # drafter logits per depth used to make logq/ids (the tree only sees the top-K)
 
 
 def device_seconds(fn, sets, repeats, calls=None):
-    """Median wall time per call of `fn(sets)` (jitted, after a warm-up call) making `calls` calls (len(sets))."""
+    """(Seconds per kernel call, the first output) of jit(fn)(sets), which makes `calls` (default len(sets))
+    chained kernel calls: one jitted call a round, median of repeats."""
     jitted = jax.jit(fn)
     out = jax.block_until_ready(jitted(sets))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(jitted(sets))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / (calls or len(sets)), out
-
-
-def ceilings(quick):
-    """Copy bandwidth (x + 1, bytes read + written) and bf16 matmul rate with XLA on this device."""
-    n = 1 << (20 if quick else 28)
-    x = jnp.zeros(n, jnp.float32)
-    copy_s, _ = device_seconds(lambda xs: [xs[0] + 1], [x], 3 if quick else 10)
-    m = 256 if quick else 8192
-    a = jnp.ones((m, m), jnp.bfloat16)
-    dot_s, _ = device_seconds(lambda ab: [ab[0][0] @ ab[0][1]], [(a, a)], 3 if quick else 10)
-    return {
-        "copy_TBps": 2 * 4 * n / copy_s / 1e12,
-        "copy_bytes": 2 * 4 * n,
-        "matmul_bf16_TFLOPs": 2 * m**3 / dot_s / 1e12,
-        "matmul_dim": m,
-    }
+    seconds = harness.median_seconds(lambda i: jitted(sets), calls=1, per_call=calls or len(sets), repeats=repeats)
+    return seconds, out
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "budget"))
@@ -229,22 +205,9 @@ def bench_config(num_requests, budget, depth, args, key, num_warps=None):
     return row
 
 
-def git_commit():
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON path")
+    harness.add_record_args(parser, "bench/results/tree.json")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: interpret mode, tiny sizes")
     parser.add_argument("--calls", type=int, default=16, help="kernel calls per timed jit (N)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -275,19 +238,16 @@ def main():
     )
     todo = [(cfg, None) for cfg in configs[:4]] + [(cfg[:3], cfg[3]) for cfg in sweep[:4]]
     todo += [(cfg, None) for cfg in configs[4:]] + [(cfg[:3], cfg[3]) for cfg in sweep[4:]]
-    record = {
-        "device": str(jax.devices()[0].device_kind),
-        "date": datetime.date.today().isoformat(),
-        "commit": git_commit(),
-        "command": " ".join(sys.argv),
-        "jax": jax.__version__,
-        "ceilings": ceilings(args.quick),
-        "rows": [],
-        "skipped": [],
-        "notes": "no pct_of_floor: the build is B dependent argmax pops and the walk L dependent steps, "
+    record = harness.record_header(
+        args.commit,
+        jax=jax.__version__,
+        ceilings=harness.measure_ceilings(small=args.quick).record(),
+        rows=[],
+        skipped=[],
+        notes="no pct_of_floor: the build is B dependent argmax pops and the walk L dependent steps, "
         "bound by latency, not by bytes or FLOPs; figures are device time per call "
         f"({args.calls} chained calls per jit, median of {args.repeats})",
-    }
+    )
     print(json.dumps(record["ceilings"]), flush=True)
     key = jax.random.key(0)
     for (num_requests, budget, depth), num_warps in todo:
@@ -300,11 +260,9 @@ def main():
         row["config_s"] = time.perf_counter() - config_start
         record["rows"].append(row)
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        harness.write_json(record, args.out)
     record["elapsed_s"] = time.perf_counter() - start
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+    harness.write_json(record, args.out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Two steps, in two environments:
   compile  (any venv with `pip install triton`): compiles those files for sm_90a and reports registers, spills,
            shared memory and the SASS instruction mix of the innermost loop (the largest backward branch).
 
-  PYTHONPATH=. .venv/bin/python scripts/triton_sass.py dump --kernel moe --knob m=16 --dir /tmp/ttir
+  python scripts/triton_sass.py dump --kernel moe --knob m=16 --dir /tmp/ttir
   /path/to/triton-venv/bin/python scripts/triton_sass.py compile /tmp/ttir/*.ttir
 The Triton in the pip wheel is not the one jaxlib bundles, so the figures are a guide, not a measurement.
 """

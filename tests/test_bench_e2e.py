@@ -1,7 +1,7 @@
 """scripts/bench_e2e.py: its CPU mesh mode (DDTree greedy == AR greedy on 8 devices, the measurement path),
 the controlled accept draw, and the floor / projection accounting."""
 
-import importlib.util
+import importlib
 import json
 import os
 import sys
@@ -17,11 +17,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "scripts", "bench_e2e.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_e2e"] = module
-    spec.loader.exec_module(module)
-    return module
+    """The script as `python scripts/bench_e2e.py` sees it: scripts/ first on sys.path (it imports `harness`)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        return importlib.import_module("bench_e2e")
+    finally:
+        sys.path.pop(0)
 
 
 @pytest.fixture(scope="module")
