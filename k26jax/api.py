@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from k26jax import ops, sharding
+from k26jax import engine, ops, sharding
 from k26jax.config import ModelConfig
 from k26jax.model import target
 
@@ -55,7 +55,9 @@ class Model:
         """Full causal forward, no cache: int [B,T] -> float32 [B,T,V] (and hidden states when asked)."""
         ids = self.check_ids(token_ids)
         lengths = np.full((ids.shape[0],), ids.shape[1], np.int32)
-        logits, _, feats = _prefill_jit(self.params, ids, lengths, self.cfg, self.impls, tuple(hidden_layer_ids))
+        logits, _, feats = _prefill_jit(
+            self.params, ids, lengths, cfg=self.cfg, impls=self.impls, hidden_layer_ids=tuple(hidden_layer_ids)
+        )
         return (logits, feats) if hidden_layer_ids else logits
 
     def draft_logits(self, context_features, bonus_ids) -> jax.Array:
@@ -75,9 +77,11 @@ class Model:
         )
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5), compiler_options=ops.COMPILER_OPTIONS)
-def _prefill_jit(params, ids, lengths, cfg, impls, hidden_layer_ids):
+def _prefill(params, ids, lengths, cfg, impls, hidden_layer_ids):
     return target.forward_prefill(params, cfg, ids, lengths, impls, hidden_layer_ids)
+
+
+_prefill_jit = engine.jit(_prefill, static_argnames=("cfg", "impls", "hidden_layer_ids"))
 
 
 def place(params: dict, cfg: ModelConfig, mesh: Mesh | None, expert_mode: str) -> dict:

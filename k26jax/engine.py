@@ -3,13 +3,17 @@
 One step is one jitted XLA program with donated state and no host round trip:
   draft -> top-K -> tree_build -> target verify over the tree -> per-node choice -> tree_accept -> commit.
 AR is the degenerate tree {root}; chain DFlash is top-1 per depth (K = 1, B = L).
+
+`Decoder` is the one place that compiles it (jit, donation, XLA options); every caller goes through it. What a
+step drafts and how it accepts are two small protocols (`DFlashDraft`, `TreeAccept` by default), so tests and
+benchmarks swap them in through the Decoder instead of patching the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +24,6 @@ from k26jax import ops
 from k26jax.config import ModelConfig
 from k26jax.model import drafter as drafter_lib
 from k26jax.model import target
-from pallas_kernels.tree_build import draft_topk, visibility_from_parents
 
 METHODS = ("ddtree", "chain", "ar")
 
@@ -142,27 +145,64 @@ def prefill(
     return state.replace(out=out, num_out=num_out, done=done)
 
 
+# ---- what a step drafts and how it accepts ------------------------------------------------------------------
+class Drafter(Protocol):
+    """Proposes the per-depth draft distributions of a step. Implementations are hashable (a static jit argument)."""
+
+    def propose(self, params, dparams, state: DecodeState, *, cfg, dcfg, sc) -> jax.Array:
+        """Draft logits float32 [C, L, V] for depths 1..L below each sequence's root."""
+
+
+class Acceptor(Protocol):
+    """Chooses the accepted path of a verified tree. Implementations are hashable (a static jit argument)."""
+
+    def accept(self, tokens_CB, parents_CB1, post_CB1, num_nodes_C, state: DecodeState, *, sc, impls):
+        """(path [C, L+1] node indices (-1 past the end), accept_len [C], bonus token [C])."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashDraft:
+    """The DFlash drafter over its context cache (the default)."""
+
+    def propose(self, params, dparams, state, *, cfg, dcfg, sc):
+        return drafter_lib.draft_block(
+            dparams,
+            dcfg,
+            params["embed"],
+            params["lm_head"],
+            state.ctx_k,
+            state.ctx_v,
+            state.ctx_len,
+            state.root,
+            state.cache.lengths,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomDraft:
+    """Standard-normal draft logits, fresh each step: a benchmark's "no drafter" ablation."""
+
+    seed: int = 0
+
+    def propose(self, params, dparams, state, *, cfg, dcfg, sc):
+        key = jax.random.fold_in(jax.random.key(self.seed), state.step)
+        return jax.random.normal(key, (state.root.shape[0], sc.depth, cfg.vocab_size), jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeAccept:
+    """The longest tree path whose tokens match the target's per-node choices (the default)."""
+
+    def accept(self, tokens_CB, parents_CB1, post_CB1, num_nodes_C, state, *, sc, impls):
+        return ops.tree_accept(tokens_CB, parents_CB1, post_CB1, num_nodes_C, max_depth=sc.depth, impls=impls)
+
+
 # ---- one step --------------------------------------------------------------------------------------------
-def dflash_propose(params, dparams, state: DecodeState, *, cfg, dcfg, sc):
-    """Draft logits [C, L, V] from the DFlash drafter over its context cache."""
-    return drafter_lib.draft_block(
-        dparams,
-        dcfg,
-        params["embed"],
-        params["lm_head"],
-        state.ctx_k,
-        state.ctx_v,
-        state.ctx_len,
-        state.root,
-        state.cache.lengths,
-    )
-
-
 def build_tree(draft_logits_CLV, *, sc: StepConfig, impls: ops.Impls):
     """(tokens [C,B], depths [C,B], parents [C,B+1], num_nodes [C]) for the step's method."""
     C, L, V = draft_logits_CLV.shape
     B = sc.tree_size
-    logq, ids = draft_topk(draft_logits_CLV, 1 if sc.method == "chain" else min(B, V))
+    logq, ids = ops.draft_topk(draft_logits_CLV, 1 if sc.method == "chain" else min(B, V))
     budgets = jnp.full((C,), B, jnp.int32)
     return ops.tree_build(logq, ids, budgets, max_budget=B, impls=impls)
 
@@ -176,15 +216,10 @@ def step(
     dcfg,
     sc: StepConfig,
     impls: ops.Impls,
-    propose: Callable | None = None,
-    accept: Callable | None = None,
+    drafter: Drafter = DFlashDraft(),
+    acceptor: Acceptor = TreeAccept(),
 ) -> DecodeState:
-    """One speculative step.
-
-    propose(params, dparams, state) -> draft logits [C, L, V] (default: the DFlash drafter);
-    accept(tokens, parents, post, num_nodes, state) -> (path, accept_len, bonus) (default: ops.tree_accept;
-    benchmarks replace it to impose an accept length).
-    """
+    """One speculative step (traceable; `Decoder.step` is its compiled form)."""
     C = state.root.shape[0]
     L = sc.depth
     key, k_choice = jax.random.split(state.key)
@@ -192,13 +227,13 @@ def step(
         tokens, depths = jnp.zeros((C, 0), jnp.int32), jnp.zeros((C, 0), jnp.int32)
         parents, num_nodes = jnp.full((C, 1), -1, jnp.int32), jnp.zeros(C, jnp.int32)
     else:
-        propose = propose or functools.partial(dflash_propose, cfg=cfg, dcfg=dcfg, sc=sc)
-        tokens, depths, parents, num_nodes = build_tree(propose(params, dparams, state), sc=sc, impls=impls)
+        draft_CLV = drafter.propose(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc)
+        tokens, depths, parents, num_nodes = build_tree(draft_CLV, sc=sc, impls=impls)
     ids = jnp.concatenate([state.root[:, None], jnp.maximum(tokens, 0)], axis=1)  # [C, B+1]
     positions = state.cache.lengths[:, None] + jnp.concatenate(
         [jnp.zeros((C, 1), jnp.int32), jnp.maximum(depths, 0)], axis=1
     )
-    visibility = visibility_from_parents(parents, max_depth=L)
+    visibility = ops.visibility_from_parents(parents, max_depth=L)
     layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None and L else ()
     logits, tail_rows, feats = target.forward_tail(
         params, cfg, ids, positions, state.cache.rows, state.cache.lengths, visibility, impls, layer_ids
@@ -207,8 +242,7 @@ def step(
     if sc.method == "ar":
         path, accept_len, bonus = jnp.zeros((C, 1), jnp.int32), jnp.ones(C, jnp.int32), post[:, 0]
     else:
-        accept = accept or (lambda *tree: ops.tree_accept(*tree[:4], max_depth=L, impls=impls))
-        path, accept_len, bonus = accept(tokens, parents, post, num_nodes, state)
+        path, accept_len, bonus = acceptor.accept(tokens, parents, post, num_nodes, state, sc=sc, impls=impls)
     return commit(state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc)
 
 
@@ -250,9 +284,78 @@ def commit(
     )
 
 
-def decode_loop(
-    params, dparams, state: DecodeState, *, cfg, dcfg, sc: StepConfig, impls: ops.Impls, propose: Callable | None = None
-) -> DecodeState:
-    """All steps in one lax.while_loop, until every sequence is done."""
-    body = functools.partial(step, params, dparams, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls, propose=propose)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.step < max_steps(sc)), body, state)
+def decode_loop(params, dparams, state: DecodeState, **statics) -> DecodeState:
+    """All steps in one lax.while_loop, until every sequence is done (statics: those of `step`)."""
+    body = functools.partial(step, params, dparams, **statics)
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.step < max_steps(statics["sc"])), body, state)
+
+
+def run_steps(params, dparams, state: DecodeState, num_steps: int, **statics) -> DecodeState:
+    """Exactly num_steps steps in one lax.fori_loop, done or not (for timing)."""
+    return jax.lax.fori_loop(0, num_steps, lambda _, s: step(params, dparams, s, **statics), state)
+
+
+# ---- the one place the step is compiled ------------------------------------------------------------------
+def jit(fn, *, static_argnames=(), donate_argnames=(), xla_defaults: bool = False):
+    """jax.jit with the XLA options every program that runs the model needs (ops.COMPILER_OPTIONS: each layer's
+    weights read in place), or XLA's defaults when `xla_defaults` (a benchmark ablation)."""
+    options = None if xla_defaults else ops.COMPILER_OPTIONS
+    return jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames, compiler_options=options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """The compiled prefill and step for one model shape and decoding setting.
+
+    `prefill`, `step` (state donated), `loop` (a while_loop to the end) and `run` (exactly n steps, for timing)
+    are jitted once per Decoder; `compile(name, *args)` gives the ahead-of-time executable (to time compiles).
+    """
+
+    cfg: ModelConfig
+    dcfg: object | None
+    sc: StepConfig
+    impls: ops.Impls
+    drafter: Drafter = DFlashDraft()
+    acceptor: Acceptor = TreeAccept()
+    xla_defaults: bool = False
+
+    @property
+    def _statics(self) -> dict:
+        return dict(
+            cfg=self.cfg, dcfg=self.dcfg, sc=self.sc, impls=self.impls, drafter=self.drafter, acceptor=self.acceptor
+        )
+
+    @property
+    def _programs(self) -> dict:
+        return _programs(self)
+
+    def prefill(self, params, dparams, ids_CT, lengths_C, key, *, max_len: int) -> DecodeState:
+        return self._programs["prefill"](params, dparams, ids_CT, lengths_C, key, max_len=max_len)
+
+    def step(self, params, dparams, state: DecodeState) -> DecodeState:
+        return self._programs["step"](params, dparams, state)
+
+    def loop(self, params, dparams, state: DecodeState) -> DecodeState:
+        return self._programs["loop"](params, dparams, state)
+
+    def run(self, params, dparams, state: DecodeState, num_steps: int) -> DecodeState:
+        return self._programs["run"](params, dparams, state, num_steps=num_steps)
+
+    def compile(self, name: str, *args, **kwargs):
+        """The ahead-of-time compiled program `name` ("prefill", "step", "loop", "run") for these arguments."""
+        return self._programs[name].lower(*args, **kwargs).compile()
+
+
+@functools.lru_cache(maxsize=64)
+def _programs(dec: Decoder) -> dict:
+    """The jitted programs of a Decoder, shared by equal Decoders (so a new one recompiles nothing)."""
+    s, opts = dec._statics, dict(xla_defaults=dec.xla_defaults)
+    pre = dict(cfg=dec.cfg, dcfg=dec.dcfg, sc=dec.sc, impls=dec.impls)
+    return {
+        "prefill": jit(functools.partial(prefill, **pre), static_argnames=("max_len",), **opts),
+        "step": jit(functools.partial(step, **s), donate_argnames=("state",), **opts),
+        "loop": jit(functools.partial(decode_loop, **s), donate_argnames=("state",), **opts),
+        "run": jit(
+            functools.partial(run_steps, **s), static_argnames=("num_steps",), donate_argnames=("state",), **opts
+        ),
+    }

@@ -1,9 +1,8 @@
-"""`k26jax.generate`: batched DDTree / chain / AR decoding (the command line is k26jax/generate.py)."""
+"""`k26jax.generate`: batched DDTree / chain / AR decoding of prompts through the engine's Decoder."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 from typing import Callable
@@ -12,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k26jax import engine, ops
+from k26jax import engine
 from k26jax.api import Model
 
 DEFAULT_CKPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tiny")
@@ -26,23 +25,6 @@ class Result:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "dcfg", "sc", "impls", "max_len"), compiler_options=ops.COMPILER_OPTIONS
-)
-def _prefill(params, dparams, ids, lengths, key, *, cfg, dcfg, sc, impls, max_len):
-    return engine.prefill(params, dparams, ids, lengths, key, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls, max_len=max_len)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "sc", "impls", "propose"), donate_argnames=("state",))
-def _step(params, dparams, state, *, cfg, dcfg, sc, impls, propose):
-    return engine.step(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls, propose=propose)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "sc", "impls", "propose"), donate_argnames=("state",))
-def _loop(params, dparams, state, *, cfg, dcfg, sc, impls, propose):
-    return engine.decode_loop(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls, propose=propose)
 
 
 def _prepare(model: Model, prompts, max_new_tokens: int, sc: engine.StepConfig, max_len: int | None):
@@ -85,17 +67,18 @@ def generate(
     max_len: int | None = None,
     loop: str = "python",
     on_tokens: Callable[[int, list[int]], None] | None = None,
-    propose: Callable | None = None,
+    drafter: engine.Drafter | None = None,
 ) -> Result:
     """Decode a batch of prompts (token-id lists, or strings when the checkpoint has a tokenizer).
 
     loop="python" steps from Python and streams new tokens to on_tokens(index, ids); loop="while" runs every
-    step inside one lax.while_loop. `propose` replaces the DFlash drafter (tests, benchmarks).
+    step inside one lax.while_loop. `drafter` replaces the model's DFlash drafter (an `engine.Drafter`, e.g. an
+    oracle in tests).
     stats: steps, per-step accept lengths, tau, new tokens, prefill (incl. its compile), step compile and
     decode seconds, and decode tokens/s (the tokens after the prefill's first one, compile excluded).
     """
     dcfg = model.drafter_cfg if method != "ar" else None
-    if method != "ar" and dcfg is None and propose is None:
+    if method != "ar" and dcfg is None and drafter is None:
         raise ValueError(f"method={method!r} needs a drafter: load the model with drafter=DIR")
     if loop not in ("python", "while"):
         raise ValueError(f"loop={loop!r}: use 'python' or 'while'")
@@ -109,17 +92,13 @@ def generate(
         block_size=dcfg.block_size if dcfg is not None else 8,
     )
     ids, lengths, cache_len = _prepare(model, prompts, max_new_tokens, sc, max_len)
-    statics = dict(cfg=model.cfg, dcfg=dcfg, sc=sc, impls=model.impls)
+    dec = engine.Decoder(model.cfg, dcfg, sc, model.impls, drafter=drafter or engine.DFlashDraft())
     dparams = model.drafter_params if dcfg is not None else None
     t0 = time.perf_counter()
-    state = _prefill(model.params, dparams, ids, lengths, jax.random.key(seed), max_len=cache_len, **statics)
+    state = dec.prefill(model.params, dparams, ids, lengths, jax.random.key(seed), max_len=cache_len)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
-    decode = (
-        (_loop if loop == "while" else _step)
-        .lower(model.params, dparams, state, propose=propose, **statics)
-        .compile(ops.COMPILER_OPTIONS)
-    )
+    decode = dec.compile("loop" if loop == "while" else "step", model.params, dparams, state)
     t_compiled = time.perf_counter()
     if loop == "while":
         state = decode(model.params, dparams, state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 
@@ -59,3 +60,18 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt))
+
+
+class StreamDecoder:
+    """Turns token ids into text as they arrive, holding back a multi-byte character until it is whole (the
+    tokenizer is byte-level: one token may end in the middle of a UTF-8 sequence)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, ids) -> str:
+        return self.utf8.decode(self.tokenizer.encoding.decode_bytes([int(i) for i in ids]))
+
+    def flush(self) -> str:
+        return self.utf8.decode(b"", final=True)

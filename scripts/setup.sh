@@ -26,7 +26,7 @@ fi
 stamp=.venv/.k26jax-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e ".[test,train]"
   touch "$stamp"
 fi
 echo "setup: .venv ready ($(.venv/bin/python --version))"

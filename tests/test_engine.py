@@ -1,5 +1,6 @@
 """The speculative engine: losslessness, plumbing with oracle drafters, sampling law, cache commit, mesh."""
 
+import dataclasses
 import functools
 
 import jax
@@ -68,25 +69,28 @@ def ar(model):
     return tokens, safe
 
 
-def oracle(trajectory, noise, seed=0):
-    """Noisy oracle drafter: the target's true next tokens; with prob `noise` a depth is corrupted, half the
-    time with the true token ranked 2nd (a tree can still recover it), half the time with it absent."""
-    traj = jnp.asarray(trajectory)
+@dataclasses.dataclass(frozen=True, eq=False)
+class Oracle:
+    """Noisy oracle drafter (an engine.Drafter): the target's true next tokens; with prob `noise` a depth is
+    corrupted, half the time with the true token ranked 2nd (a tree can still recover it), half the time absent."""
 
-    def propose(params, dparams, state):
+    trajectory: np.ndarray
+    noise: float
+    seed: int = 0
+
+    def propose(self, params, dparams, state, *, cfg, dcfg, sc):
+        traj = jnp.asarray(self.trajectory)
         C, V = traj.shape[0], params["lm_head"].shape[1]
         idx = jnp.minimum(state.cache.lengths[:, None] + 1 + jnp.arange(L)[None], traj.shape[1] - 1)
         true = jnp.take_along_axis(traj, idx, axis=1)  # [C, L]
-        k1, k2, k3 = jax.random.split(jax.random.fold_in(jax.random.key(seed), state.step), 3)
+        k1, k2, k3 = jax.random.split(jax.random.fold_in(jax.random.key(self.seed), state.step), 3)
         logits = jax.random.normal(k1, (C, L, V))
         wrong = (true + jax.random.randint(k2, true.shape, 1, V)) % V
         u = jax.random.uniform(k3, true.shape)
-        bad = u < noise
-        true_boost = jnp.where(u < noise / 2, 0.0, jnp.where(bad, 8.0, 10.0))
+        bad = u < self.noise
+        true_boost = jnp.where(u < self.noise / 2, 0.0, jnp.where(bad, 8.0, 10.0))
         logits = logits.at[jnp.arange(C)[:, None], jnp.arange(L)[None], true].add(true_boost)
         return logits.at[jnp.arange(C)[:, None], jnp.arange(L)[None], wrong].add(jnp.where(bad, 12.0, 0.0))
-
-    return propose
 
 
 def trajectories(tokens):
@@ -111,8 +115,9 @@ def test_lossless_with_random_drafter(model, ar, method, budget):
 
 @pytest.mark.parametrize("method,budget", [("chain", 1), ("ddtree", 4), ("ddtree", 32)])
 def test_lossless_with_noisy_oracle_and_accept_lengths_span_1_to_L_plus_1(model, ar, method, budget):
-    propose = oracle(trajectories(ar[0]), noise=0.25)
-    res = generate(model, PROMPTS, max_new_tokens=NEW, method=method, budget=budget, propose=propose)
+    res = generate(
+        model, PROMPTS, max_new_tokens=NEW, method=method, budget=budget, drafter=Oracle(trajectories(ar[0]), 0.25)
+    )
     assert_same_until_near_tie(res.tokens, ar)
     lens = {a for row in res.stats["accept_lens"] for a in row if a}
     deepest = min(L, budget if method == "ddtree" else L) + 1
@@ -128,7 +133,7 @@ def test_perfect_oracle_accepts_full_depth_every_step(model, ar):
         max_new_tokens=NEW,
         method="ddtree",
         budget=L,
-        propose=oracle(trajectories(ar[0]), noise=0.0),
+        drafter=Oracle(trajectories(ar[0]), noise=0.0),
         loop="while",
     )
     assert_same_until_near_tie(res.tokens, ar)
@@ -145,11 +150,10 @@ def test_cache_commit_equals_prefill_of_the_emitted_tokens(model, ar):
     for i, p in enumerate(PROMPTS):
         ids[i, : len(p)] = p
     lengths = np.array([len(p) for p in PROMPTS], np.int32)
-    kw = dict(cfg=model.cfg, dcfg=model.drafter_cfg, sc=sc, impls=IMPLS)
-    state = engine.prefill(model.params, model.drafter_params, ids, lengths, jax.random.key(0), max_len=128, **kw)
-    step = jax.jit(functools.partial(engine.step, propose=oracle(trajectories(ar[0]), 0.3), **kw))
+    dec = engine.Decoder(model.cfg, model.drafter_cfg, sc, IMPLS, drafter=Oracle(trajectories(ar[0]), 0.3))
+    state = dec.prefill(model.params, model.drafter_params, ids, lengths, jax.random.key(0), max_len=128)
     for _ in range(4):
-        state = step(model.params, model.drafter_params, state)
+        state = dec.step(model.params, model.drafter_params, state)
     for i, p in enumerate(PROMPTS):
         n = int(state.cache.lengths[i])
         seq = (p + ar[0][i])[:n]
@@ -223,7 +227,7 @@ def test_eos_stops_each_sequence_at_its_first_eos(model, ar):
         drafter_params=model.drafter_params,
     )
     res = generate(
-        m, PROMPTS, max_new_tokens=NEW, method="ddtree", budget=8, propose=oracle(trajectories(tokens), noise=0.2)
+        m, PROMPTS, max_new_tokens=NEW, method="ddtree", budget=8, drafter=Oracle(trajectories(tokens), noise=0.2)
     )
     for got, want, safe in zip(res.tokens, tokens, ar[1]):
         stop = want.index(eos) + 1 if eos in want else len(want)

@@ -1,0 +1,7 @@
+"""`python -m k26jax <command>`: see k26jax/cli.py."""
+
+import sys
+
+from k26jax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,101 @@
+"""The `k26jax` command line (also `python -m k26jax`): `generate` streams decoding of prompts.
+
+A user's mistake (a bad path, flag or prompt) prints one `error: ...` line and exits 2; Ctrl-C exits 130;
+`--debug` shows the traceback of anything. Tracebacks of real bugs are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from k26jax.config import ConfigError
+
+USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError)
+
+
+def _generate(args) -> int:
+    import jax
+
+    from k26jax.api import load
+    from k26jax.generation import generate
+    from k26jax.tokenizer import StreamDecoder
+
+    model = load(args.ckpt, drafter=args.drafter, dtype=args.dtype)
+    tok = model.tokenizer
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else tok.encode(p) for p in args.prompt
+    ]
+    print(
+        f"[k26jax] {args.ckpt}: {model.cfg.num_hidden_layers} layers, method={args.method}, "
+        f"budget={args.budget}, backend={jax.default_backend()}",
+        file=sys.stderr,
+    )
+    single = len(prompts) == 1
+    streams = [StreamDecoder(tok) for _ in prompts]
+
+    def on_tokens(i, new_ids):
+        text = streams[i].feed(new_ids)
+        print(text if single else f"[{i}] {text}", end="" if single else "\n", flush=True)
+
+    result = generate(
+        model,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        method=args.method,
+        budget=args.budget,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        on_tokens=on_tokens,
+    )
+    for i, s in enumerate(streams):
+        rest = s.flush()
+        if rest:
+            print(rest if single else f"[{i}] {rest}", end="" if single else "\n")
+    s = result.stats
+    print(
+        f"\n[k26jax] {s['new_tokens']} tokens in {s['steps']} steps, tau={s['tau']:.2f} (tokens per target pass; "
+        f"1 = no speed-up), {s['tokens_per_s']:.1f} tok/s decode, prefill {s['prefill_s']:.2f}s, "
+        f"step compile {s['compile_s']:.2f}s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from k26jax.engine import METHODS
+    from k26jax.generation import DEFAULT_CKPT
+
+    ap = argparse.ArgumentParser(prog="k26jax", description="Kimi K2.6 in JAX with DDTree speculative decoding")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream DDTree / chain / AR decoding of prompts")
+    g.add_argument("--ckpt", default=DEFAULT_CKPT, help="HF or converted checkpoint dir (default: the embedded one)")
+    g.add_argument("--drafter", default=None, help="DFlash drafter dir (default: CKPT/drafter)")
+    g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
+    g.add_argument("--method", default="ddtree", choices=METHODS)
+    g.add_argument("--budget", type=int, default=32, help="DDTree nodes verified per step")
+    g.add_argument("--max-new-tokens", type=int, default=48)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    g.add_argument("--debug", dest="debug_here", action="store_true", help="show tracebacks")
+    g.set_defaults(run=_generate)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as e:
+        if args.debug or getattr(args, "debug_here", False):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
