@@ -2,8 +2,9 @@
 
 Mesh axes ("data", "model"): batch over "data", tensor parallelism over "model". Attention is split over heads,
 embedding and lm_head over the vocabulary, dense MLPs over their intermediate dim. Routed experts are split by a
-switch: "ep" puts E/n whole experts on each device, "tp" splits every expert's intermediate dim. The latent KV
-cache is replicated over "model" (MLA under head parallelism needs every head to see the whole latent).
+switch: "ep" puts E/n whole experts on each device, "tp" splits every expert's intermediate dim. Each parameter's
+axes are declared beside its shape in k26jax/model/params.py. The latent KV cache is replicated over "model"
+(MLA under head parallelism needs every head to see the whole latent).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k26jax.config import ModelConfig
+from k26jax.model import params as param_table
+from k26jax.model.params import DATA, MODEL
 
-DATA, MODEL = "data", "model"
-EXPERT_MODES = ("ep", "tp")
+EXPERT_MODES = tuple(param_table.EXPERT_AXES)
 
 
 def make_mesh(num_devices: int | None = None) -> Mesh:
@@ -28,69 +30,22 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
     return Mesh(np.asarray(devices[:n]).reshape(1, n), (DATA, MODEL))
 
 
-def _attn_specs(cfg: ModelConfig) -> dict:
-    specs = {
-        "kv_a": P(None, None, None),
-        "kv_a_norm": P(None, None),
-        "w_uk": P(None, MODEL, None, None),
-        "w_uv": P(None, MODEL, None, None),
-        "o": P(None, MODEL, None, None),
-    }
-    if cfg.q_lora_rank is None:
-        specs["q"] = P(None, None, MODEL, None)
-    else:
-        specs.update(q_a=P(None, None, None), q_a_norm=P(None, None), q_b=P(None, None, MODEL, None))
-    return specs
-
-
-def _mlp_specs() -> dict:
-    return {"gate_up": P(None, None, None, MODEL), "down": P(None, MODEL, None)}
-
-
 def expert_partition_specs(expert_mode: str = "ep") -> dict:
     """PartitionSpecs of the stacked routed-expert leaves (w13_packed, w13_scale [n, E, D/g, 2, Im], w2_packed,
     w2_scale [n, E, Im/g, D]): "ep" splits the experts, "tp" the intermediate dim Im (gate/up pairs stay whole)."""
-    if expert_mode not in EXPERT_MODES:
-        raise ValueError(f"expert_mode={expert_mode!r}: use one of {EXPERT_MODES}")
-    if expert_mode == "ep":
-        e = P(None, MODEL, None, None, None)
-        return {
-            "w13_packed": e,
-            "w13_scale": e,
-            "w2_packed": P(None, MODEL, None, None),
-            "w2_scale": P(None, MODEL, None, None),
-        }
-    i = P(None, None, None, None, MODEL)
-    return {
-        "w13_packed": i,
-        "w13_scale": i,
-        "w2_packed": P(None, None, MODEL, None),
-        "w2_scale": P(None, None, MODEL, None),
-    }
+    _check_mode(expert_mode)
+    return {name: P(None, *axes) for name, axes in param_table.EXPERT_AXES[expert_mode].items()}
 
 
 def param_partition_specs(cfg: ModelConfig, expert_mode: str = "ep") -> dict:
-    """PartitionSpecs mirroring the parameter tree (see k26jax/model/target.py)."""
+    """PartitionSpecs mirroring the parameter tree (declared in k26jax/model/params.py)."""
+    _check_mode(expert_mode)
+    return param_table.partition_specs(param_table.target_table(cfg), expert_mode)
+
+
+def _check_mode(expert_mode: str) -> None:
     if expert_mode not in EXPERT_MODES:
         raise ValueError(f"expert_mode={expert_mode!r}: use one of {EXPERT_MODES}")
-    tree = {"embed": P(MODEL, None), "final_norm": P(None), "lm_head": P(None, MODEL)}
-    for kind, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers)):
-        if not n:
-            continue
-        layer = {"input_norm": P(None, None), "post_attn_norm": P(None, None), "attn": _attn_specs(cfg)}
-        if kind == "dense":
-            layer["mlp"] = _mlp_specs()
-        else:
-            mlp = {
-                "router_kernel": P(None, None, None),
-                "router_bias": P(None, None),
-                **expert_partition_specs(expert_mode),
-            }
-            if cfg.n_shared_experts:
-                mlp["shared"] = _mlp_specs()
-            layer["mlp"] = mlp
-        tree[kind] = layer
-    return tree
 
 
 def cache_partition_spec() -> P:

@@ -160,6 +160,24 @@ def test_nnx_module_and_abstract_params(drafter, ref):
     assert shapes == jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), disk)
 
 
+def test_module_methods_run_the_functions(drafter, ref):
+    """DFlashDrafter.from_params holds a loaded tree; its context_kv / draft_block are the functions on it."""
+    cfg, params = drafter
+    p32 = as_dtype(params, jnp.float32)
+    module = D.DFlashDrafter.from_params(cfg, p32)
+    jax.tree.map(np.testing.assert_array_equal, module.params(), p32)
+    feats = ref["context_features"]
+    B, T, _ = feats.shape
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    k, v = module.context_kv(feats, positions)
+    want_k, want_v = D.context_kv(p32, cfg, feats, positions)
+    np.testing.assert_array_equal(k, want_k)
+    np.testing.assert_array_equal(v, want_v)
+    ctx_len = jnp.array([T, 5])
+    args = (ref["embed_VD"], ref["lm_head_DV"], k, v, ctx_len, ref["bonus_ids"], ctx_len)
+    np.testing.assert_array_equal(module.draft_block(*args), D.draft_block(p32, cfg, *args))
+
+
 def test_bad_inputs_name_the_argument(drafter, ref):
     cfg, params = drafter
     with pytest.raises(ValueError, match="context_features"):

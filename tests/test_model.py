@@ -7,12 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import k26jax
 from k26jax import cache as kc
 from k26jax import ops, sharding
 from k26jax.config import ConfigError, ModelConfig, preset, preset_text_config
 from k26jax.model import layers as L
+from k26jax.model import params as param_table
 from k26jax.model import target
 
 IMPLS = ops.Impls()
@@ -321,3 +323,50 @@ def test_only_multi_layer_segments_scan(tiny):
     ids = jnp.zeros((1, 4), jnp.int32)
     hlo = prefill.trace(params, ids, jnp.array([4]), cfg).lower().as_text()
     assert hlo.count("stablehlo.while") == 2  # the 3-layer MoE segment and the reference MoE's expert scan
+
+
+# ---- the NNX module and the parameter table ---------------------------------------------------------------
+def test_module_methods_run_the_forward(tiny):
+    """K2Model's prefill and decode (= verify of one token) equal the functions, the module split at the jit
+    boundary and merged inside (shapes as in the prefill == decode test, so those compiles are shared)."""
+    cfg, params = tiny
+    model = target.K2Model.from_params(cfg, params)
+    jax.tree.map(np.testing.assert_array_equal, model.params(), params)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, ids, lengths, tail_ids, positions, rows, prefix_len):
+        m = nnx.merge(graphdef, state)
+        return m.prefill(ids, lengths, IMPLS), m.decode(tail_ids, positions, rows, prefix_len, IMPLS)
+
+    ids = jax.random.randint(jax.random.key(2), (2, 10), 0, cfg.vocab_size)
+    lengths = jnp.array([10, 7])
+    want_prefill = prefill(params, ids, lengths, cfg)
+    cache = kc.write_prefill(kc.init_cache(cfg, 2, 16, jnp.float32), want_prefill[1], lengths)
+    positions = lengths[:, None]
+    want_decode = tail(params, ids[:, :1], positions, cache.rows, cache.lengths, jnp.ones((2, 1, 1), bool), cfg)
+    got_prefill, got_decode = step(state, ids, lengths, ids[:, :1], positions, cache.rows, cache.lengths)
+    for got, want in ((got_prefill, want_prefill), (got_decode, want_decode)):
+        assert rel_err(got[0], want[0]) < 1e-6 and rel_err(got[1], want[1]) < 1e-6
+
+
+def test_table_derives_params_specs_and_shapes():
+    """One declaration: abstract params, init, partition specs and numpy shapes share the table's tree."""
+    for cfg in (preset("tiny"), preset("k26-depth3"), preset("tiny").replace(n_shared_experts=0)):
+        table = param_table.target_table(cfg)
+        abstract = target.abstract_params(cfg)
+        is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+        for mode in ("ep", "tp"):
+            specs = sharding.param_partition_specs(cfg, mode)
+            assert jax.tree.structure(specs, is_leaf=is_spec) == jax.tree.structure(abstract)
+            jax.tree.map(
+                lambda s, a: len(s) == a.ndim or pytest.fail(f"{s} {a.shape}"), specs, abstract, is_leaf=is_spec
+            )
+            experts = {k: v for k, v in specs["moe"]["mlp"].items() if k in target.EXPERT_KEYS}
+            assert experts == sharding.expert_partition_specs(mode)
+        shapes = param_table.shapes(table, "float32")
+        got = jax.tree.map(lambda a: (a.shape, a.dtype), target.abstract_params(cfg, jnp.float32))
+        assert got == jax.tree.map(lambda s: s, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    assert sharding.expert_partition_specs("tp")["w13_packed"] == jax.sharding.PartitionSpec(None, *[None] * 3, "model")
+    with pytest.raises(ValueError, match="expert_mode"):
+        sharding.expert_partition_specs("dp")

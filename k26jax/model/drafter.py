@@ -1,4 +1,5 @@
-"""The DFlash drafter (z-lab `DFlashDraftModel`, dflash 0.1.0) in Flax NNX, as pure functions the engine jits.
+"""The DFlash drafter (z-lab `DFlashDraftModel`, dflash 0.1.0) in Flax NNX: pure functions the engine jits, and a
+module whose methods run them on its own parameters.
 
 Qwen3 decoder layers (pre-norm, per-head q/k RMSNorm, GQA, rotate-half rope, SwiGLU) with KV injection: every
 layer's keys and values come from [context ; block], its queries from the block only, attention non-causal.
@@ -9,12 +10,7 @@ layer's keys and values come from [context ; block], its queries from the block 
   output   target lm_head(norm(h)) on rows 1..b-1, times output_multiplier, then softcapped when configured.
 The drafter has no embedding or lm_head of its own: it borrows the target's (embed_VD [V, D], lm_head_DV [D, V]).
 
-Parameter tree (= `DFlashDrafter(...).params()`; [in, out] layout; n = num_hidden_layers,
-D hidden, F = len(target_layer_ids) * D, Hq/Hkv heads, K head_dim, I intermediate):
-  fc [F, D], hidden_norm [D], final_norm [D]
-  layers: input_norm [n, D], post_attn_norm [n, D],
-          attn: q [n, D, Hq, K], k [n, D, Hkv, K], v [n, D, Hkv, K], o [n, Hq, K, D], q_norm [n, K], k_norm [n, K]
-          mlp:  gate_up [n, D, 2, I], down [n, I, D]
+The parameter tree (= `DFlashDrafter(...).params()`) is declared in k26jax/model/params.py (`drafter_table`).
 The compute dtype is the parameters' (bf16 by default, float32 for exactness tests); matmuls accumulate in fp32,
 norm statistics and softmax are fp32, logits are returned in float32.
 """
@@ -31,63 +27,41 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from k26jax.config import DrafterConfig, DrafterRope
+from k26jax.model import params as param_table
 from k26jax.model.layers import F32, mm, rms_norm, swiglu_mlp
-
-DATA, MODEL = "data", "model"
+from k26jax.model.params import DATA, MODEL
 
 
 # ---- module (random init; checkpoints overwrite the state) -----------------------------------------------
-def _param(rngs: nnx.Rngs, shape, dtype, std: float | None):
-    """std None: ones (norm weights); else normal(0, std)."""
-    if std is None:
-        return nnx.Param(jnp.ones(shape, dtype))
-    return nnx.Param((std * jax.random.normal(rngs.params(), shape, F32)).astype(dtype))
-
-
-class DrafterAttention(nnx.Module):
-    def __init__(self, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
-        n, D, K = cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim
-        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.q = _param(rngs, (n, D, Hq, K), dtype, D**-0.5)
-        self.k = _param(rngs, (n, D, Hkv, K), dtype, D**-0.5)
-        self.v = _param(rngs, (n, D, Hkv, K), dtype, D**-0.5)
-        self.o = _param(rngs, (n, Hq, K, D), dtype, (Hq * K) ** -0.5)
-        self.q_norm = _param(rngs, (n, K), dtype, None)
-        self.k_norm = _param(rngs, (n, K), dtype, None)
-
-
-class DrafterMLP(nnx.Module):
-    def __init__(self, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
-        n, D, I = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
-        self.gate_up = _param(rngs, (n, D, 2, I), dtype, D**-0.5)
-        self.down = _param(rngs, (n, I, D), dtype, I**-0.5)
-
-
-class DrafterLayers(nnx.Module):
-    def __init__(self, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
-        n, D = cfg.num_hidden_layers, cfg.hidden_size
-        self.input_norm = _param(rngs, (n, D), dtype, None)
-        self.post_attn_norm = _param(rngs, (n, D), dtype, None)
-        self.attn = DrafterAttention(cfg, dtype, rngs)
-        self.mlp = DrafterMLP(cfg, dtype, rngs)
-
-
 class DFlashDrafter(nnx.Module):
-    """Random-initialised drafter; its pure-dict state is the parameter tree the functions below take."""
+    """The drafter: its Params are `params.drafter_table(cfg)`, its methods run the forward (`context_kv`,
+    `draft_block`, `draft_logits`) through the module-level functions below, on the module's pure parameter tree."""
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
         self.cfg = cfg
-        D = cfg.hidden_size
-        self.fc = _param(rngs, (cfg.context_dim, D), dtype, cfg.context_dim**-0.5)
-        self.hidden_norm = _param(rngs, (D,), dtype, None)
-        self.final_norm = _param(rngs, (D,), dtype, None)
-        self.layers = DrafterLayers(cfg, dtype, rngs)
+        param_table.build(self, param_table.drafter_table(cfg), dtype, rngs)
+
+    @classmethod
+    def from_params(cls, cfg: DrafterConfig, tree: dict) -> DFlashDrafter:
+        """A module holding `tree` (e.g. from k26jax.hf.read_drafter), without a random init."""
+        module = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
+        param_table.load_into(module, tree)
+        return module
 
     def params(self) -> dict:
-        return nnx.to_pure_dict(nnx.state(self))
+        return param_table.pure_params(self)
+
+    def context_kv(self, context_features, positions):
+        return context_kv(self.params(), self.cfg, context_features, positions)
+
+    def draft_block(self, embed_VD, lm_head_DV, ctx_k, ctx_v, ctx_len, bonus_ids, start):
+        return draft_block(self.params(), self.cfg, embed_VD, lm_head_DV, ctx_k, ctx_v, ctx_len, bonus_ids, start)
+
+    def draft_logits(self, embed_VD, lm_head_DV, context_features, bonus_ids):
+        return draft_logits(self.params(), self.cfg, embed_VD, lm_head_DV, context_features, bonus_ids)
 
     def __call__(self, embed_VD, lm_head_DV, context_features, bonus_ids):
-        return draft_logits(self.params(), self.cfg, embed_VD, lm_head_DV, context_features, bonus_ids)
+        return self.draft_logits(embed_VD, lm_head_DV, context_features, bonus_ids)
 
 
 def init_params(cfg: DrafterConfig, seed: int = 0, dtype=jnp.bfloat16) -> dict:
@@ -96,7 +70,7 @@ def init_params(cfg: DrafterConfig, seed: int = 0, dtype=jnp.bfloat16) -> dict:
 
 def abstract_params(cfg: DrafterConfig, dtype=jnp.bfloat16) -> dict:
     """The parameter tree as ShapeDtypeStructs, without allocating it."""
-    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0)))))
+    return nnx.eval_shape(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0))).params()
 
 
 # ---- rope (HF Qwen3RotaryEmbedding: rotate-half, cos/sin times attention_factor) -------------------------
@@ -293,40 +267,13 @@ def draft_block(params, cfg: DrafterConfig, embed_VD, lm_head_DV, ctx_k, ctx_v, 
 
 
 # ---- sharding --------------------------------------------------------------------------------------------
-def _heads_split(cfg: DrafterConfig, model_axis_size: int) -> bool:
-    """Attention is split over "model" only when both q and kv heads divide, so each shard holds whole groups."""
-    return cfg.num_attention_heads % model_axis_size == 0 and cfg.num_key_value_heads % model_axis_size == 0
-
-
 def drafter_partition_specs(cfg: DrafterConfig, model_axis_size: int) -> dict:
     """PartitionSpecs mirroring the parameter tree for a ("data", "model") mesh whose "model" axis has
     `model_axis_size` devices: heads, the MLP intermediate and fc's input split over "model" where they divide,
-    replicated otherwise; norms replicated."""
-    if model_axis_size < 1:
-        raise ValueError(f"model_axis_size: must be >= 1, got {model_axis_size}")
-    heads = MODEL if _heads_split(cfg, model_axis_size) else None
-    inter = MODEL if cfg.intermediate_size % model_axis_size == 0 else None
-    fc_in = MODEL if cfg.context_dim % model_axis_size == 0 else None
-    return {
-        "fc": P(fc_in, None),
-        "hidden_norm": P(None),
-        "final_norm": P(None),
-        "layers": {
-            "input_norm": P(None, None),
-            "post_attn_norm": P(None, None),
-            "attn": {
-                "q": P(None, None, heads, None),
-                "k": P(None, None, heads, None),
-                "v": P(None, None, heads, None),
-                "o": P(None, heads, None, None),
-                "q_norm": P(None, None),
-                "k_norm": P(None, None),
-            },
-            "mlp": {"gate_up": P(None, None, None, inter), "down": P(None, inter, None)},
-        },
-    }
+    replicated otherwise; norms replicated (declared in `params.drafter_table`)."""
+    return param_table.partition_specs(param_table.drafter_table(cfg, model_axis_size))
 
 
 def drafter_cache_partition_spec(cfg: DrafterConfig, model_axis_size: int) -> P:
     """Context K/V cache [n, B, Hkv, S_max, K]: batch over "data", kv heads over "model" as the attention is."""
-    return P(None, DATA, MODEL if _heads_split(cfg, model_axis_size) else None, None, None)
+    return P(None, DATA, MODEL if param_table.drafter_heads_split(cfg, model_axis_size) else None, None, None)

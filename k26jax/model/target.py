@@ -1,14 +1,7 @@
 """The K2 / K2.6 target model in Flax NNX, with parameters stacked per layer kind and run with lax.scan.
 
-Parameter tree (= `nnx.state(model).to_pure_dict()`; [in, out] matmul layout; n = layers of that kind):
-  embed [V, D], final_norm [D], lm_head [D, V]
-  dense | moe: input_norm [n, D], post_attn_norm [n, D],
-    attn: q_a [n, D, Rq], q_a_norm [n, Rq], q_b [n, Rq, H, Dn+Dr]   (q_lora_rank null: q [n, D, H, Dn+Dr])
-          kv_a [n, D, R+Dr], kv_a_norm [n, R], w_uk [n, H, Dn, R], w_uv [n, H, Dv, R], o [n, H, Dv, D]
-    mlp (dense): gate_up [n, D, 2, I], down [n, I, D]
-    mlp (moe):   router_kernel [n, D, E], router_bias [n, E] f32, shared {gate_up [n, D, 2, Is], down [n, Is, D]},
-                 w13_packed [n, E, D/8, 2, Im] int32, w13_scale [n, E, D/32, 2, Im] bf16,
-                 w2_packed [n, E, Im/8, D] int32, w2_scale [n, E, Im/32, D] bf16
+The parameter tree (= `K2Model(...).params()`) is declared in k26jax/model/params.py (`target_table`): [in, out]
+matmul layout, leaves of the dense and MoE layers stacked on a leading layer axis, routed experts INT4.
 Layers run in `cfg.layer_kinds` order as segments of consecutive same-kind layers (one scan per segment).
 """
 
@@ -23,94 +16,64 @@ from flax import nnx
 from k26jax import ops
 from k26jax.config import ModelConfig
 from k26jax.model import layers as L
-
-PACK = 8  # INT4 values per int32 word
-
-
-def _param(rngs: nnx.Rngs, shape, dtype, std: float | None):
-    """std None: ones (norm weights); else normal(0, std)."""
-    if std is None:
-        return nnx.Param(jnp.ones(shape, dtype))
-    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
-
-
-def _const(shape, dtype, value: float):
-    return nnx.Param(jnp.full(shape, value, dtype))
-
-
-class MLA(nnx.Module):
-    def __init__(self, cfg: ModelConfig, n: int, dtype, rngs: nnx.Rngs):
-        D, H, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
-        Dq, std = cfg.qk_head_dim, D**-0.5
-        if cfg.q_lora_rank is None:
-            self.q = _param(rngs, (n, D, H, Dq), dtype, std)
-        else:
-            self.q_a = _param(rngs, (n, D, cfg.q_lora_rank), dtype, std)
-            self.q_a_norm = _param(rngs, (n, cfg.q_lora_rank), dtype, None)
-            self.q_b = _param(rngs, (n, cfg.q_lora_rank, H, Dq), dtype, cfg.q_lora_rank**-0.5)
-        self.kv_a = _param(rngs, (n, D, R + cfg.qk_rope_head_dim), dtype, std)
-        self.kv_a_norm = _param(rngs, (n, R), dtype, None)
-        self.w_uk = _param(rngs, (n, H, cfg.qk_nope_head_dim, R), dtype, R**-0.5)
-        self.w_uv = _param(rngs, (n, H, cfg.v_head_dim, R), dtype, R**-0.5)
-        self.o = _param(rngs, (n, H, cfg.v_head_dim, D), dtype, (H * cfg.v_head_dim) ** -0.5)
-
-
-class MLP(nnx.Module):
-    def __init__(self, D: int, I: int, n: int, dtype, rngs: nnx.Rngs):
-        self.gate_up = _param(rngs, (n, D, 2, I), dtype, D**-0.5)
-        self.down = _param(rngs, (n, I, D), dtype, I**-0.5)
-
-
-class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, n: int, dtype, rngs: nnx.Rngs):
-        D, E, Im = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-        g = cfg.quant.group_size if cfg.quant else 32
-        self.router_kernel = _param(rngs, (n, D, E), dtype, D**-0.5)
-        self.router_bias = _param(rngs, (n, E), jnp.float32, 0.01)
-        if cfg.n_shared_experts:
-            self.shared = MLP(D, Im * cfg.n_shared_experts, n, dtype, rngs)
-        bits = lambda shape: nnx.Param(jax.random.bits(rngs.params(), shape, jnp.uint32).view(jnp.int32))
-        # Uniform random INT4 values have std ~4.6: scales 1/(4.6 sqrt(fan_in)) keep activations O(1).
-        self.w13_packed = bits((n, E, D // PACK, 2, Im))
-        self.w13_scale = _const((n, E, D // g, 2, Im), jnp.bfloat16, 1 / (4.6 * D**0.5))
-        self.w2_packed = bits((n, E, Im // PACK, D))
-        self.w2_scale = _const((n, E, Im // g, D), jnp.bfloat16, 1 / (4.6 * Im**0.5))
-
-
-class DecoderStack(nnx.Module):
-    """n decoder layers of one kind ("dense" or "moe"), parameters stacked on a leading axis."""
-
-    def __init__(self, cfg: ModelConfig, kind: str, n: int, dtype, rngs: nnx.Rngs):
-        self.input_norm = _param(rngs, (n, cfg.hidden_size), dtype, None)
-        self.post_attn_norm = _param(rngs, (n, cfg.hidden_size), dtype, None)
-        self.attn = MLA(cfg, n, dtype, rngs)
-        self.mlp = (
-            MLP(cfg.hidden_size, cfg.intermediate_size, n, dtype, rngs) if kind == "dense" else MoE(cfg, n, dtype, rngs)
-        )
+from k26jax.model import params as param_table
 
 
 class K2Model(nnx.Module):
-    """Random-initialised K2 target (checkpoints overwrite the state; see k26jax.checkpoint / k26jax.load)."""
+    """The K2 target: its Params are `params.target_table(cfg)` (random init; checkpoints overwrite the state, see
+    `from_params`), its methods run the forward: `prefill`, `verify` and `decode` (verify of one token).
+
+    The methods and the module-level functions below share one implementation: a method passes the module's pure
+    parameter tree to `forward_prefill` / `forward_tail`. Inside a jitted step, split the module at the boundary
+    (nnx.split) and merge it back inside, or call the functions with the pure tree."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
-        D, V = cfg.hidden_size, cfg.vocab_size
-        self.embed = _param(rngs, (V, D), dtype, 1.0)
-        self.final_norm = _param(rngs, (D,), dtype, None)
-        self.lm_head = _param(rngs, (D, V), dtype, D**-0.5)
-        if cfg.num_dense_layers:
-            self.dense = DecoderStack(cfg, "dense", cfg.num_dense_layers, dtype, rngs)
-        if cfg.num_moe_layers:
-            self.moe = DecoderStack(cfg, "moe", cfg.num_moe_layers, dtype, rngs)
+        self.cfg = cfg
+        param_table.build(self, param_table.target_table(cfg), dtype, rngs)
+
+    @classmethod
+    def from_params(cls, cfg: ModelConfig, tree: dict) -> K2Model:
+        """A module holding `tree` (e.g. from k26jax.hf.read_target or checkpoint.restore), without a random init."""
+        model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
+        param_table.load_into(model, tree)
+        return model
+
+    def params(self) -> dict:
+        return param_table.pure_params(self)
+
+    def prefill(self, ids_BT, lengths_B, impls: ops.Impls, hidden_layer_ids=()):
+        """Causal forward over right-padded prompts: see `forward_prefill`."""
+        return forward_prefill(self.params(), self.cfg, ids_BT, lengths_B, impls, hidden_layer_ids)
+
+    def verify(
+        self, ids_BT, positions_BT, cache_rows, prefix_len_B, visibility_BTT, impls: ops.Impls, hidden_layer_ids=()
+    ):
+        """T new tokens per sequence against the latent cache (a tree tail, a chain, or one token): `forward_tail`."""
+        return forward_tail(
+            self.params(),
+            self.cfg,
+            ids_BT,
+            positions_BT,
+            cache_rows,
+            prefix_len_B,
+            visibility_BTT,
+            impls,
+            hidden_layer_ids,
+        )
+
+    def decode(self, ids_B1, positions_B1, cache_rows, prefix_len_B, impls: ops.Impls, hidden_layer_ids=()):
+        """One token per sequence: `verify` with T = 1."""
+        visibility = jnp.ones((ids_B1.shape[0], 1, 1), bool)
+        return self.verify(ids_B1, positions_B1, cache_rows, prefix_len_B, visibility, impls, hidden_layer_ids)
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
     """The parameter tree as ShapeDtypeStructs, without allocating it."""
-    model = nnx.eval_shape(lambda: K2Model(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    return nnx.to_pure_dict(nnx.state(model))
+    return nnx.eval_shape(lambda: K2Model(cfg, dtype=dtype, rngs=nnx.Rngs(0))).params()
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16) -> dict:
-    return nnx.to_pure_dict(nnx.state(K2Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed))))
+    return K2Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed)).params()
 
 
 # ---- forward ---------------------------------------------------------------------------------------------
