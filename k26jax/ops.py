@@ -1,8 +1,8 @@
 """The one seam between the model/engine and the kernels.
 
-Each op picks `impl="pallas"` (Pallas-Triton, for the GPU) or `impl="reference"` (plain jnp). On a multi-device
-mesh the Pallas forms run under shard_map (heads or experts split over "model"); the reference forms are left to
-XLA's SPMD partitioner. No math lives here.
+Each op picks `impl="pallas"` (the GPU kernels) or `impl="reference"` (plain jnp). On a multi-device mesh the
+Pallas forms of the MoE and the attention run under shard_map (k26jax/sharded_kernels.py); the reference forms
+are left to XLA's SPMD partitioner. No math lives here.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import dataclasses
 import jax
 from jax.sharding import Mesh
 
+from k26jax import sharded_kernels
 from pallas_kernels import int4_moe_gemm
 from pallas_kernels import tree_accept as tree_accept_kernel
 from pallas_kernels import tree_build as tree_build_kernel
@@ -69,7 +70,7 @@ def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
     if impls.moe == "reference":
         return int4_moe_gemm.fused_moe_reference(*args, layer=layer)
     if impls.sharded:
-        return int4_moe_gemm.fused_moe_sharded(
+        return sharded_kernels.fused_moe_sharded(
             impls.mesh, mode=impls.expert_mode, impl="pallas", interpret=impls.interpret, stacked=True
         )(*args, layer)
     return int4_moe_gemm.fused_moe(*args, interpret=impls.interpret, layer=layer)
@@ -86,7 +87,7 @@ def mla_attention(q_lat, q_rope, cache, prefix_len, tail_rows, visibility, *, sc
     if impls.attention == "reference":
         return mla_kernel.tree_mla_attention_reference(*args, scale=scale, layer=layer)
     if impls.sharded:
-        return mla_kernel.tree_mla_attention_sharded(impls.mesh, impl="pallas", interpret=impls.interpret)(
+        return sharded_kernels.tree_mla_attention_sharded(impls.mesh, impl="pallas", interpret=impls.interpret)(
             *args, scale=scale, layer=layer
         )
     return mla_kernel.tree_mla_attention(*args, scale=scale, layer=layer, interpret=impls.interpret)

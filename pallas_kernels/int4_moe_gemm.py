@@ -1,10 +1,7 @@
-"""Fused MoE over INT4 (W4A16, group-32) experts: Pallas-Triton kernels, jnp reference, wrappers.
+"""Fused MoE over INT4 (W4A16, group-32) experts: the jnp reference, the Pallas-Triton kernels, and `fused_moe`,
+the public entry that picks the backend (these kernels, or int4_moe_mosaic's Mosaic GPU kernels where those fit).
 
-Layout (compressed-tensors pack-quantized, transposed to K-major with N contiguous):
-    w13_packed [E, D/8, 2, I] int32   w13_scale [E, D/32, 2, I] bf16   ('2' axis: 0 = gate, 1 = up)
-    w2_packed  [E, I/8, D]    int32   w2_scale  [E, I/32, D]    bf16
-Each int32 word holds 8 offset-binary nibbles along K, LSB first: input row 8j+k is nibble k of word j,
-and its value is q = nibble - 8 in [-8, 7]. The dequantized weight is bf16(q * scale), rounded once as
+The weight layout is int4_moe_common's. The dequantized weight is bf16(q * scale), rounded once as
 compressed-tensors does, then cast to the activation dtype.
 """
 
@@ -18,10 +15,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import arch
-
-GROUP = 32  # input rows per scale
-PACK = 8  # nibbles per int32 word
+from pallas_kernels import arch, int4_moe_mosaic
+from pallas_kernels.int4_moe_common import (
+    GROUP,
+    PACK,
+    block_experts,
+    check_args,
+    expert_ranks,
+    flatten_layers,
+    group_starts,
+    max_blocks,
+    pair_rows,
+)
 
 
 def round_to_bf16(v):
@@ -52,50 +57,11 @@ def dequantize_int4(packed, scale, axis, dtype=jnp.bfloat16):
     return round_to_bf16(q.astype(jnp.float32) * scale_full).astype(dtype)
 
 
-def check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
-    """Validates shapes/dtypes; returns (E, D, I)."""
-    if x.ndim != 2:
-        raise ValueError(f"x must be [M, D], got shape {x.shape}")
-    m, d = x.shape
-    if topk_ids.ndim != 2 or topk_ids.shape[0] != m or not jnp.issubdtype(topk_ids.dtype, jnp.integer):
-        raise ValueError(f"topk_ids must be integer [M={m}, k], got {topk_ids.shape} {topk_ids.dtype}")
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights shape {topk_weights.shape} != topk_ids shape {topk_ids.shape}")
-    if w13_packed.ndim != 4 or w13_packed.shape[1:3] != (d // PACK, 2) or w13_packed.dtype != jnp.int32:
-        raise ValueError(
-            f"w13_packed must be int32 [E, D/8={d // PACK}, 2, I], got {w13_packed.shape} {w13_packed.dtype}"
-        )
-    e, _, _, i = w13_packed.shape
-    if d % GROUP or i % GROUP:
-        raise ValueError(f"D={d} and I={i} must be multiples of {GROUP}")
-    if w13_scale.shape != (e, d // GROUP, 2, i):
-        raise ValueError(f"w13_scale must be [E, D/32, 2, I]={(e, d // GROUP, 2, i)}, got {w13_scale.shape}")
-    if w2_packed.shape != (e, i // PACK, d) or w2_packed.dtype != jnp.int32:
-        raise ValueError(
-            f"w2_packed must be int32 [E, I/8, D]={(e, i // PACK, d)}, got {w2_packed.shape} {w2_packed.dtype}"
-        )
-    if w2_scale.shape != (e, i // GROUP, d):
-        raise ValueError(f"w2_scale must be [E, I/32, D]={(e, i // GROUP, d)}, got {w2_scale.shape}")
-    return e, d, i
-
-
 def select_layer(weights, layer):
     """Weights stacked per layer ([n, E, ...] each) -> layer `layer`'s [E, ...] (layer None: unstacked input)."""
     if layer is None:
         return weights
     return tuple(jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False) for w in weights)
-
-
-def flatten_layers(weights, layer):
-    """Weights stacked per layer ([n, E, ...] each) -> ([n*E, ...] views (a free reshape), E, first row of
-    `layer`); unstacked (layer None) -> (weights, E, 0). Kernels index the layer inside the stack, so no
-    per-layer copy of the experts is made, as slicing the stack in front of a custom call would."""
-    if layer is None:
-        return weights, weights[0].shape[0], 0
-    num_layers, per_layer = weights[0].shape[:2]
-    if any(w.shape[:2] != (num_layers, per_layer) for w in weights):
-        raise ValueError(f"stacked weights must share their leading [n, E] dims, got {[w.shape for w in weights]}")
-    return tuple(w.reshape((num_layers * per_layer,) + w.shape[2:]) for w in weights), per_layer, layer * per_layer
 
 
 def fused_moe_reference(
@@ -198,8 +164,9 @@ class Tiling:
 
 
 def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
-    """The wrapper's default tiling for M = num_tokens: the fastest candidate of the H200 races in
-    bench/moe_gemm.md at K2.6 shapes (384 experts, top-8) for M = 1..1024 and 4096."""
+    """The default Triton tiling for M = num_tokens, tuned on the H200 at K2.6 shapes (384 experts, top-8): one
+    pair a block at decode, pairs sorted into 16- then 32-row blocks as the rows an expert grows, and 64-row blocks
+    with swapped operands for prefill."""
     dequant = "asm" if (jnp.dtype(dtype) == jnp.bfloat16 and not interpret) else "f32"
     if num_tokens * top_k <= 32:  # decode (M <= 4): one pair per block, no sort
         return Tiling(per_pair=True, block_n_gate_up=64, block_n_down=128, dequant=dequant)
@@ -207,17 +174,16 @@ def choose_tiling(num_tokens, top_k, dtype=jnp.bfloat16, interpret=False):
         return Tiling(block_m=16, block_n_gate_up=64, block_n_down=128, n_fastest=True, dequant=dequant)
     if num_tokens <= 2048:  # ~21 rows an expert at M = 1024
         return Tiling(block_m=32, block_n_gate_up=64, block_n_down=128, n_fastest=True, dequant=dequant)
-    # prefill: 64-row blocks with the weights as wgmma's register operand (run 8: 12.9 vs 17.1 ms at M = 4096)
+    # prefill: 64-row blocks with the weights as wgmma's register operand
     return Tiling(block_m=64, block_kw_gate_up=16, block_kw_down=16, n_fastest=True, swap_ab=True, dequant=dequant)
 
 
 def mosaic_block_m(num_tokens, dtype, d, i, interpret=False):
-    """block_m of the Mosaic GPU kernels (int4_moe_mosaic) when the wrapper's default should use them, else None:
-    bf16 on a Hopper GPU (`arch.has_wgmma`) and D, I multiples of 256 (from M = 1: 67.9% of the floor against
-    Triton's 62.4%, run 20). The race winners (bench/moe_gemm.md, run 19): 16-row blocks up to M = 512 (~11 rows
-    an expert), 32 at M = 1024 (~21), 64 at M = 2048 and 4096 (60% of the floor at 2048 against 40% with 32-row
-    blocks, which split most experts)."""
-    if interpret or jnp.dtype(dtype) != jnp.bfloat16 or d % 256 or i % 256 or not arch.has_wgmma():
+    """block_m of the Mosaic GPU kernels (int4_moe_mosaic) when `fused_moe`'s default should use them, else None:
+    bf16 on a Hopper GPU (`arch.has_wgmma`), D and I that `int4_moe_mosaic.fits`, not interpreting. The block
+    grows with the rows an expert gets (top-8 of 384 experts): 16 rows up to M = 512 (~11 rows an expert), 32 up
+    to M = 1024 (~21), 64 beyond, where smaller blocks would split most experts."""
+    if interpret or jnp.dtype(dtype) != jnp.bfloat16 or not int4_moe_mosaic.fits(d, i) or not arch.has_wgmma():
         return None
     return 16 if num_tokens <= 512 else 32 if num_tokens <= 1024 else 64
 
@@ -253,61 +219,6 @@ class Routing(NamedTuple):
 
     block_expert: jax.Array
     slot_pair: jax.Array
-
-
-def exclusive_prefix_sum(values):
-    """values [n, ...] -> [n, ...]: at i the sum of values[:i], as one fused compare-and-sum over [n, n, ...]
-    (XLA turns jnp.cumsum into a blocked scan of several kernels, each a launch on the GPU)."""
-    n = values.shape[0]
-    before = (jnp.arange(n)[None, :] < jnp.arange(n)[:, None]).reshape(n, n, *[1] * (values.ndim - 1))
-    return jnp.sum(jnp.where(before, values[None], 0), axis=1, dtype=values.dtype)
-
-
-def expert_ranks(local_ids, num_experts, chunk=1024):
-    """local_ids [P] int32 (outside [0, E) = not on this shard) -> (counts [E] int32: pairs of each expert,
-    rank [P] int32: pairs q < p with p's expert; off-shard pairs are ranked among themselves).
-
-    No sort: per chunk of pairs, one fused compare-and-sum counts the experts and another ranks each pair
-    within its chunk (O(P * (E + chunk)) work), and the chunks' counts are carried by a prefix sum. A stable
-    argsort by expert puts pair p at its expert's first position + rank[p], so this is that order.
-    """
-    num_pairs = local_ids.shape[0]
-    chunk = max(1, min(chunk, num_pairs))
-    num_chunks = -(-num_pairs // chunk)
-    key = jnp.where((local_ids >= 0) & (local_ids < num_experts), local_ids, num_experts)
-    key = jnp.pad(key, (0, num_chunks * chunk - num_pairs), constant_values=num_experts + 1).reshape(num_chunks, chunk)
-    chunk_counts = jnp.sum(key[:, :, None] == jnp.arange(num_experts + 1), axis=1, dtype=jnp.int32)  # [n, E + 1]
-    before = exclusive_prefix_sum(chunk_counts)
-    earlier = jnp.arange(chunk)[None, :] < jnp.arange(chunk)[:, None]  # [p, q]: q before p
-    within = jnp.sum((key[:, :, None] == key[:, None, :]) & earlier, axis=2, dtype=jnp.int32)  # [n, chunk]
-    rank = jnp.take_along_axis(before, jnp.minimum(key, num_experts), axis=1) + within
-    return chunk_counts[:, :num_experts].sum(axis=0), rank.reshape(-1)[:num_pairs]
-
-
-def group_starts(counts, multiple):
-    """[E] first row of each expert's group when the groups follow each other padded to `multiple` rows."""
-    return exclusive_prefix_sum(-(-counts // multiple) * multiple)
-
-
-def pair_rows(local_ids, starts, rank, off_shard):
-    """[P] int32: the row of each pair in the experts' padded groups (its group's first row + its rank),
-    `off_shard` for pairs outside [0, E). starts [E]: `group_starts`; rank: `expert_ranks`."""
-    num_experts = starts.shape[0]
-    on_shard = (local_ids >= 0) & (local_ids < num_experts)
-    return jnp.where(on_shard, starts[jnp.clip(local_ids, 0, num_experts - 1)] + rank, off_shard)
-
-
-def block_experts(counts, block_m, num_blocks):
-    """[num_blocks] int32: the expert of each block_m-row block of the padded groups, -1 past the last."""
-    blocks = -(-counts // block_m)
-    block_end = exclusive_prefix_sum(blocks) + blocks
-    expert = jnp.sum(block_end[None, :] <= jnp.arange(num_blocks)[:, None], axis=1, dtype=jnp.int32)
-    return jnp.where(expert < counts.shape[0], expert, -1)
-
-
-def max_blocks(num_pairs, num_experts, block_m):
-    """Static bound on the row blocks: each touched expert adds < 1 partial block."""
-    return num_pairs // block_m + min(num_experts, num_pairs)
 
 
 def sort_routing(local_ids, num_experts, block_m):
@@ -512,13 +423,10 @@ def fused_moe(
     interpret=False,
     layer=None,
 ):
-    """Pallas-Triton fused MoE with the contract of `fused_moe_reference`.
+    """Fused MoE on the GPU with the contract of `fused_moe_reference`: the Mosaic GPU kernels of int4_moe_mosaic
+    where `mosaic_block_m` says so and no `tiling` is given, else the Triton kernels (`fused_moe_triton`).
 
-    Routing metadata in XLA (pairs sorted by expert and padded to block_m rows, or one pair per block when
-    `tiling.per_pair`), then two grouped W4A16 kernels (gate_up with the SiLU*up epilogue; down with the
-    routing weight and optional split-K), then the fp32 top-k (and split) combine in XLA.
-    tiling: None = the wrapper's default: the Mosaic GPU kernels of int4_moe_mosaic where `mosaic_block_m` says
-    so (large M), else `choose_tiling(M)`; N/K blocks are shrunk to divide D and I. expert_offset may be traced.
+    expert_offset (may be traced): ids minus it index the E local experts (expert parallelism).
     layer (may be traced): the weights are stacked per layer ([n, E, ...]); the kernels index layer `layer`
     inside the whole stack (viewed as [n*E, ...], a free reshape), so no per-layer copy of the experts is
     made, as slicing the stack in front of the custom call would.
@@ -526,25 +434,45 @@ def fused_moe(
     weighted top-k sum (as transformers does) unless this is set (partial sums over a split I); the Triton
     kernels keep fp32 rows either way.
     """
+    args = (x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
     if tiling is None and (
         block_m := mosaic_block_m(topk_ids.shape[0], x.dtype, x.shape[-1], w13_packed.shape[-1], interpret)
     ):
-        from pallas_kernels import int4_moe_mosaic  # imports this module
-
         return int4_moe_mosaic.fused_moe_mosaic(
-            x,
-            topk_ids,
-            topk_weights,
-            w13_packed,
-            w13_scale,
-            w2_packed,
-            w2_scale,
+            *args,
             expert_offset=expert_offset,
             block_m=block_m,
             out_dtype=out_dtype,
             pair_rows_fp32=pair_rows_fp32,
             layer=layer,
         )
+    return fused_moe_triton(
+        *args, expert_offset=expert_offset, tiling=tiling, out_dtype=out_dtype, interpret=interpret, layer=layer
+    )
+
+
+def fused_moe_triton(
+    x,
+    topk_ids,
+    topk_weights,
+    w13_packed,
+    w13_scale,
+    w2_packed,
+    w2_scale,
+    *,
+    expert_offset=0,
+    tiling=None,
+    out_dtype=None,
+    interpret=False,
+    layer=None,
+):
+    """The Pallas-Triton kernels; arguments as `fused_moe`'s.
+
+    Routing metadata in XLA (pairs sorted by expert and padded to block_m rows, or one pair per block when
+    `tiling.per_pair`), then two grouped W4A16 kernels (gate_up with the SiLU*up epilogue; down with the
+    routing weight and optional split-K), then the fp32 top-k (and split) combine in XLA.
+    tiling: None = `choose_tiling(M)`; N/K blocks are shrunk to divide D and I.
+    """
     weights, num_experts, stack_offset = flatten_layers((w13_packed, w13_scale, w2_packed, w2_scale), layer)
     w13_packed, w13_scale, w2_packed, w2_scale = weights
     check_args(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
@@ -614,60 +542,3 @@ def fused_moe(
     on_shard = ((local_ids >= 0) & (local_ids < num_experts))[None, :, None]
     y = jnp.where(on_shard, y_pairs[:, :num_pairs], 0.0).sum(axis=0)
     return y.reshape(num_tokens, top_k, d).sum(axis=1).astype(out_dtype or x.dtype)
-
-
-def fused_moe_specs(mode, axis="model", stacked=False):
-    """PartitionSpecs of (x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale) that
-    `fused_moe_sharded` expects: activations and routing replicated, experts ("ep") or I ("tp") split.
-    stacked: weights carry a leading (unsplit) layer dim."""
-    if mode not in ("ep", "tp"):
-        raise ValueError(f"mode must be 'ep' or 'tp', got {mode!r}")
-    spec = jax.sharding.PartitionSpec
-    if mode == "ep":
-        weights = (spec(axis),) * 4
-    else:  # w13 on its last axis (I), w2 on its I/8 and I/32 axes
-        weights = (spec(None, None, None, axis),) * 2 + (spec(None, axis, None),) * 2
-    if stacked:
-        weights = tuple(spec(None, *w) for w in weights)
-    return (spec(), spec(), spec(), *weights)
-
-
-def fused_moe_sharded(mesh, *, axis="model", mode="ep", impl="pallas", interpret=False, tiling=None, stacked=False):
-    """fused_moe under shard_map over mesh axis `axis`. Returns f(x, topk_ids, topk_weights, w13_packed,
-    w13_scale, w2_packed, w2_scale) -> y [M, D], arguments sharded as `fused_moe_specs(mode, axis)` says.
-    stacked: weights are stacked per layer ([n, E, ...]) and f takes a further argument, the layer (int32 []).
-
-    mode="ep": experts split (shard s owns experts [s * E_local, (s + 1) * E_local)).
-    mode="tp": the intermediate dim I split (w13 on its last axis, w2 on its I/8 and I/32 axes).
-    Each shard's fp32 partial output is psum'ed over `axis`, then cast to x.dtype.
-    """
-    if impl not in ("pallas", "reference"):
-        raise ValueError(f"impl must be 'pallas' or 'reference', got {impl!r}")
-    if axis not in mesh.axis_names:
-        raise ValueError(f"axis {axis!r} is not one of the mesh axes {mesh.axis_names}")
-    specs = fused_moe_specs(mode, axis, stacked) + ((jax.sharding.PartitionSpec(),) if stacked else ())
-
-    def local_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, layer=None):
-        experts_local = w13_packed.shape[1 if stacked else 0]
-        offset = jax.lax.axis_index(axis) * experts_local if mode == "ep" else 0
-        weights = (w13_packed, w13_scale, w2_packed, w2_scale)
-        if impl == "pallas":
-            y = fused_moe(
-                x,
-                topk_ids,
-                topk_weights,
-                *weights,
-                expert_offset=offset,
-                tiling=tiling,
-                out_dtype=jnp.float32,
-                pair_rows_fp32=mode == "tp",
-                interpret=interpret,
-                layer=layer,
-            )
-        else:
-            y = fused_moe_reference(
-                x, topk_ids, topk_weights, *weights, expert_offset=offset, out_dtype=jnp.float32, layer=layer
-            )
-        return jax.lax.psum(y, axis).astype(x.dtype)
-
-    return jax.shard_map(local_moe, mesh=mesh, in_specs=specs, out_specs=jax.sharding.PartitionSpec(), check_vma=False)

@@ -1,26 +1,23 @@
-"""Large-M INT4 MoE GEMMs as warp-specialised Mosaic GPU kernels (Hopper, bf16): the weights dequantized in
-registers feed wgmma as its A operand, so every weight tile is dequantized once for up to 64 rows.
+"""INT4 MoE GEMMs as warp-specialised Mosaic GPU kernels (Hopper, bf16; `int4_moe_gemm.fused_moe` takes them
+there): the weights dequantized in registers feed wgmma as its A operand, so every weight tile is dequantized once
+for up to 64 rows.
 
-Why a second backend (bench/moe_gemm.md): the Triton kernels dequantize a weight tile once per 16- or
-32-row block and keep it in registers next to a [rows, 64] accumulator; from ~20 rows an expert (M >= 512)
-they either dequantize twice or run two CTAs an SM, and fall to 55-70% of the floor. Here each CTA owns
-its pipeline:
+Why a second backend: the Triton kernels dequantize a weight tile once per 16- or 32-row block and keep it in
+registers next to a [rows, 64] accumulator; with more rows an expert they either dequantize a tile twice or run
+two CTAs an SM. Here each CTA owns its pipeline:
 
-  persistent CTAs walk the tiles (row block b, N tile n) of the sorted routing;
+  persistent CTAs walk the tiles (row block b, N tile n) of the routing (`routed_operands`);
   warpgroup 4 streams, per K stage of 256 inputs: two [32 words, 128 cols] int32 weight tiles, their
     [8 groups, 128] bf16 scales and the block's 4 x [block_m, 64] activations, through an S-stage TMA ring
     that runs on across tiles;
   warpgroups 0-3 each take 64 columns of one of the two tiles: load the words transposed ([64 cols, 32
     words], each thread holding rows r, r+8 and words 2q, 2q+1 of every 8), dequantize a 64-input chunk into
     the bf16 wgmma A fragment [64 cols, 64 inputs] with PTX (lop3 / sub / mul, bf16(q * scale) rounded
-    once), and issue wgmma against the activations. Four of them, not two with both tiles each: 1-3% faster
-    (bench/moe_gemm.md, run 15). The dequant arithmetic bounds the loop: without it gate_up streams at the
-    memory floor (the dequant probe after run 15).
+    once), and issue wgmma against the activations. The dequant arithmetic, not memory, bounds the loop.
 
 A row block multiplies only its valid rows rounded up to a multiple of 8, the least wgmma N (`wgmma_widths`):
 the compute warpgroups branch on the block's row count to one of block_m / 8 instances of the main loop and
-epilogue. At M = 1024 that is 9.5K rows multiplied instead of 12.4K, and at small M half (bench/moe_gemm.md,
-runs 18-20: +1 to +8 points of the floor at every M).
+epilogue, so a partly filled block costs what its rows need.
 
 The A fragment of thread (row r, quad lane q) covers inputs k = 16i + 8e + 2q + h of a chunk (k16 step i,
 half e, pair h). The nibbles a thread holds are inputs 8 * (2q + e) + j of its two words, so wgmma column k
@@ -31,9 +28,8 @@ The two weight tiles are (gate, up) of one 128-column slice for gate_up (epilogu
 accumulator to the gate warpgroup of its columns through shared memory, which writes silu(gate) * up -> h,
 bf16) and two adjacent 128-column slices for down (epilogue: rows in slot order; the caller gathers each
 (token, expert) pair's row, applies the routing weight and sums the top k in fp32). Down's rows are bf16, each
-pair's expert output rounded once, as transformers' DeepseekV3MoE rounds `expert(x)`; fp32 rows (for partial
-sums over a split intermediate dim) measured 16% slower in down at M = 1024: twice the bytes, and a staging
-buffer that leaves room for 3 pipeline stages instead of 4.
+pair's expert output rounded once, as transformers' DeepseekV3MoE rounds `expert(x)`; fp32 rows
+(`pair_rows_fp32`) are for partial sums over a split intermediate dim, at twice the bytes.
 """
 
 import functools
@@ -51,7 +47,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.int4_moe_gemm import (
+from pallas_kernels.int4_moe_common import (
     PACK,
     block_experts,
     check_args,
@@ -61,7 +57,7 @@ from pallas_kernels.int4_moe_gemm import (
     max_blocks,
     pair_rows,
 )
-from pallas_kernels.mla_prefix_mosaic import tiled_smem
+from pallas_kernels.mosaic_common import tiled_smem
 
 CHUNK = 64  # inputs a wgmma call (one 128-byte swizzle row of bf16)
 STAGE_WORDS = 32  # packed int32 rows a pipeline stage: 256 inputs, 4 chunks
@@ -343,7 +339,7 @@ def _kernel(
                         a = _dequant_chunk(words[:, c * 8 : (c + 1) * 8], s_smem.at[slot, o], c, half * WG_N)
                         plgpu.wgmma(acc_ref, a, x_t)
                         plgpu.wgmma_wait(1)
-                plgpu.wgmma_wait(0)  # in the step: freeing the slot in the next step's body cost 15-20% (run 11)
+                plgpu.wgmma_wait(0)  # in the step: the slot is freed here, not in the next step's body
                 plgpu.barrier_arrive(empty_bars.at[slot])
 
             return acc_ref[...]
@@ -521,6 +517,13 @@ def wgmma_widths(block_m, step=WIDTH_STEP):
     return tuple(range(step, block_m + 1, step))
 
 
+def fits(d, i):
+    """Whether the kernels take hidden size D and intermediate size I: D whole pairs of down's 128-column weight
+    tiles and whole K stages (256 inputs) of gate_up, I whole weight tiles and K stages of down."""
+    stage_inputs = STAGE_WORDS * PACK
+    return not (d % (2 * TILE_N) or d % stage_inputs or i % TILE_N or i % stage_inputs)
+
+
 @functools.partial(
     jax.jit, static_argnames=["block_m", "out_dtype", "pair_rows_fp32", "interpret", "num_sms", "width_step"]
 )
@@ -558,9 +561,8 @@ def fused_moe_mosaic(
     weights, num_experts, stack_offset = flatten_layers((w13_packed, w13_scale, w2_packed, w2_scale), layer)
     check_args(x, topk_ids, topk_weights, *weights)
     d, i = x.shape[1], w13_packed.shape[-1]
-    stage_inputs = STAGE_WORDS * PACK
-    if d % (2 * TILE_N) or d % stage_inputs or i % TILE_N or i % stage_inputs:
-        raise ValueError(f"D={d} must be a multiple of {2 * TILE_N} and I={i} of {stage_inputs}")
+    if not fits(d, i):
+        raise ValueError(f"D={d} must be a multiple of {2 * TILE_N} and I={i} of {STAGE_WORDS * PACK}")
     num_tokens, top_k = topk_ids.shape
     local_ids = topk_ids.reshape(-1).astype(jnp.int32) - expert_offset
     ops = routed_operands(x, local_ids, num_experts, block_m, top_k, stack_offset)

@@ -1,19 +1,18 @@
 """Tree MLA attention as a warp-specialised Mosaic GPU kernel (Hopper, bf16): the prefix splits, the last of
 which also takes the tree tail.
 
-The prefix of each sequence is cut into groups of key blocks by a split plan (`check_plan`; the planner is
-`tree_mla_attention.plan_splits`). For each group and 64-row tile of its sequence's T*H query rows, attend over
-the group's cache rows (and, in the sequence's last group, over the tail rows each query row sees) and write the
-normalised partial output and its base-2 log-sum-exp, at the group's slot (`partial_slots`: sequence after
-sequence, so a sequence's partials are contiguous); `tree_mla_attention` merges a sequence's groups (nothing to
-merge with one). Doing the tail here instead of in a second kernel saves its launch, its partial output and a
-merge operand: 10-36% of the whole call at small and mid sizes (bench/verify_attn.md, run 7).
+The prefix of each sequence is cut into groups of key blocks by a split plan (mla_splits: `check_plan`,
+`plan_splits`). For each group and 64-row tile of its sequence's T*H query rows, attend over the group's cache
+rows (and, in the sequence's last group, over the tail rows each query row sees) and write the normalised partial
+output and its base-2 log-sum-exp, at the group's slot (`mla_splits.partial_slots`: sequence after sequence, so a
+sequence's partials are contiguous); `tree_mla_attention` merges a sequence's groups (nothing to merge with one).
+Doing the tail here instead of in a second kernel saves its launch, its partial output and a merge operand.
 
 Why a second backend: with a 576-wide key and a 512-wide value a 64-row tile needs a 64 x 512 fp32
 accumulator, so two warpgroups must share the rows and split the value columns. Triton then makes both
-warpgroups compute the whole score tile (1664 MMA units per key and row for 1088 useful, see
-bench/verify_attn.md). Here the warpgroups split the keys instead and trade the row maxima and the bf16
-probabilities through shared memory (FlashMLA's scheme), so no MMA is repeated:
+warpgroups compute the whole score tile (1664 MMA units per key and row for 1088 useful). Here the warpgroups
+split the keys instead and trade the row maxima and the bf16 probabilities through shared memory (FlashMLA's
+scheme), so no MMA is repeated:
 
   warpgroup w in {0, 1}, per 64-key block (keys k_w = rows 32w..32w+31 of the block):
     s_w = Q K[k_w]^T            [64, 32]   (K = 576)
@@ -24,12 +23,8 @@ probabilities through shared memory (FlashMLA's scheme), so no MMA is repeated:
 Each warpgroup keeps the running sum of its own keys' probabilities; the two are added at the end.
 Tail blocks come from the tail rows (TMA reads zeros past the last); which of them a query row sees comes as one
 32-bit word per row and half block (`tail_visibility_bits`), tested bit by bit against the key column.
-
-FlashMLA's "seesaw" schedule (each warpgroup scores whole blocks in turn) measured 2.0-2.4x slower here: it
-spills registers (bench/verify_attn.md, runs 11-13). Balanced key ranges over the whole batch (FlashMLA's tile
-scheduler) measured 3-9% faster at the 8-head verify shapes but 1-5% slower at 64 heads, again from spills
-(runs 14-16); split plans (`check_plan`) take that gain without touching the key loop (runs 17-26).
-Neither branch survived into this repository's history.
+Schedules that keep more live per warpgroup (whole blocks in turn, or key ranges balanced inside the key loop)
+spill registers; balancing work across the batch is left to the split plan.
 """
 
 import functools
@@ -41,6 +36,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mla_splits import check_plan, partial_slots, sequence_groups
+from pallas_kernels.mosaic_common import tiled_smem
+
 BLOCK_M = 64  # query rows a CTA (the two compute warpgroups share them)
 BLOCK_K = 64  # keys a pipeline step; each compute warpgroup scores half of them
 STAGES = 2  # key blocks in flight: 2 x 72 KB of shared memory
@@ -48,58 +46,6 @@ LAT_DIM, ROPE_DIM = 512, 64
 HALF_K, HALF_R = BLOCK_K // 2, LAT_DIM // 2
 EPI_N = 64  # output columns a TMA store
 _ROW = plgpu.Layout.WGMMA.reduce(1)
-
-
-def check_plan(plan, num_seqs, num_key_blocks):
-    """Validates a split plan: a tuple of groups (c, first, end) in launch order, each the key blocks
-    [first, end) of sequence c's cache as planned for a full cache (num_key_blocks blocks); the groups of a
-    sequence, in plan order, cover [0, num_key_blocks) one after another, and its last one also takes the tail."""
-    plan = tuple(tuple(int(x) for x in group) for group in plan)
-    reached = [0] * num_seqs
-    for group in plan:
-        if len(group) != 3 or not 0 <= group[0] < num_seqs or group[1] != reached[group[0]] or group[2] < group[1]:
-            raise ValueError(
-                f"plan: group {group} must be (c, first, end) with c < {num_seqs}, first the end of "
-                f"sequence c's previous group (or 0) and end >= first; plan {plan}"
-            )
-        reached[group[0]] = group[2]
-    if reached != [num_key_blocks] * num_seqs:
-        raise ValueError(
-            f"plan: every sequence's groups must end at its {num_key_blocks} key blocks, "
-            f"they reach {reached}; plan {plan}"
-        )
-    return plan
-
-
-def sequence_groups(plan, num_seqs):
-    """For each sequence c < num_seqs, the indices of its groups in the plan, in order (the last takes the tail)."""
-    groups = [[] for _ in range(num_seqs)]
-    for g, (c, _, _) in enumerate(plan):
-        groups[c].append(g)
-    return groups
-
-
-def partial_slots(plan, num_seqs):
-    """int32 [G]: the slot of each group's partial, sequence after sequence (each sequence's groups in plan order),
-    so the merge reads a sequence's partials as one contiguous run, whatever order the plan launches them in."""
-    slots = np.empty(len(plan), np.int32)
-    slots[[g for groups in sequence_groups(plan, num_seqs) for g in groups]] = np.arange(len(plan), dtype=np.int32)
-    return slots
-
-
-def equal_plan(num_splits, num_seqs, num_key_blocks):
-    """The plan of num_splits (one count for every sequence, or a tuple with each sequence's) equal splits a
-    sequence, sequence after sequence (the last ones empty where a sequence has fewer key blocks than splits)."""
-    counts = (num_splits,) * num_seqs if isinstance(num_splits, int) else tuple(num_splits)
-    if len(counts) != num_seqs or min(counts) < 1:
-        raise ValueError(f"num_splits must be a count >= 1 or {num_seqs} of them (one a sequence), got {num_splits}")
-    plan = []
-    for c, count in enumerate(counts):
-        per_split = pl.cdiv(num_key_blocks, count)
-        plan += [
-            (c, min(s * per_split, num_key_blocks), min((s + 1) * per_split, num_key_blocks)) for s in range(count)
-        ]
-    return tuple(plan)
 
 
 def group_table(plan, prefix_len, cache_seq, num_key_blocks, num_tail_blocks):
@@ -153,9 +99,9 @@ def tail_visibility_bits(tail_visible_CMT, num_rows):
 def mla_prefix_reference(q_lat_CMR, q_rope_CMP, cache, prefix_len, tail, tail_visible_CMT, *, plan, qk_scale):
     """float32 partials. q_lat_CMR [C, M, 512], q_rope_CMP [C, M, 64]; cache [C, S_max, 576]; prefix_len [C];
     tail [C, T, 576]; tail_visible_CMT [C, M, T] bool: the tail rows each query row sees (in its sequence's last
-    group only). qk_scale: softmax scale times log2(e). plan: see `check_plan` (key blocks of BLOCK_K rows).
+    group only). qk_scale: softmax scale times log2(e). plan: see `mla_splits.check_plan` (key blocks of BLOCK_K rows).
     Returns o [G, M, 512] (normalised, 0 where a group saw nothing) and lse [G, M] (base 2, -inf where it saw
-    nothing), one per group of the plan, at the group's `partial_slots` slot."""
+    nothing), one per group of the plan, at the group's `mla_splits.partial_slots` slot."""
     f32, hi = jnp.float32, lax.Precision.HIGHEST
     q_CMD = jnp.concatenate([q_lat_CMR, q_rope_CMP], axis=-1)
     C, M, _ = q_CMD.shape
@@ -370,13 +316,6 @@ def _kernel(
         pl.when(wg == w)(functools.partial(compute_warpgroup, w))
 
 
-def tiled_smem(shape, dtype, row_bytes):
-    """SMEM of (8, swizzle-wide) tiles, swizzled by min(128, row_bytes): the layout TMA and wgmma operands want."""
-    swizzle = min(128, row_bytes)
-    elems = swizzle // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)))
-
-
 @functools.partial(jax.jit, static_argnames=["plan", "qk_scale", "interpret"])
 def mla_prefix_attention(
     q_lat_CMR,
@@ -461,7 +400,7 @@ def mla_prefix_attention(
         ),
         scratch_types=scratch,
         # the last grid axis is CUDA's x, launched fastest: a group's row tiles run side by side (its keys stay in
-        # L2), then the groups in plan order (`tree_mla_attention.plan_splits` models this order)
+        # L2), then the groups in plan order (`mla_splits.plan_splits` models this order)
         grid=(len(plan), pl.cdiv(M, BLOCK_M)),
         grid_names=("group", "m"),
         num_threads=3,

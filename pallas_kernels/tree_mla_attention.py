@@ -14,13 +14,11 @@ attends over the tree rows under the ancestor mask. Each program writes a normal
 and its base-2 log-sum-exp; an exact log-sum-exp merge in XLA combines them.
 Two backends: the Pallas-Triton prefix and tail kernels below, and a warp-specialised Pallas Mosaic GPU
 kernel (`mla_prefix_mosaic.py`) that does the prefix splits, as groups of key blocks laid out over the whole
-batch by a split plan (`plan_splits`), and, in each sequence's last group, the tail. It does not repeat the
-score MMA in both warpgroups and is the default where it fits (1.7x faster for tree verify on the H200,
-bench/verify_attn.md).
+batch by a split plan (`mla_splits.plan_splits`), and, in each sequence's last group, the tail. It does not
+repeat the score MMA in both warpgroups and is the default on Hopper where it fits (`mosaic_prefix_fits`).
 """
 
 import functools
-import heapq
 import math
 
 import jax
@@ -29,9 +27,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import PartitionSpec
 
 from pallas_kernels import arch, mla_prefix_mosaic
+from pallas_kernels.mla_splits import choose_num_splits, equal_plan, partial_slots, plan_splits, sequence_groups
 
 _LOG2E = math.log2(math.e)
 _NUM_SMS = 132  # H200; sizes the default prefix split
@@ -142,7 +140,7 @@ def _attend_block(queries, keys, visible, carry, qk_scale):
 
     queries / keys: (latent chunks [n, block_r] ..., rope [n, P]); visible: [block_m, block_k] bool;
     carry: (accumulator chunks [block_m, block_r] ..., running max [block_m], running sum [block_m]).
-    The latent is handled in block_r-wide chunks (256-wide measured fastest for 64-row tiles)."""
+    The latent is handled in block_r-wide chunks (256 wide for 64-row tiles: see `tree_mla_attention`)."""
     (q_chunks, q_rope), (k_chunks, k_rope), (acc_chunks, m_prev, l_prev) = queries, keys, carry
     s = jnp.dot(q_rope, k_rope.T, preferred_element_type=jnp.float32)
     for q_chunk, k_chunk in zip(q_chunks, k_chunks):
@@ -282,104 +280,6 @@ def _pow2_at_least(n):
     return 1 << max(0, (n - 1).bit_length())
 
 
-# A program's fixed cost in key blocks: queries in, pipeline fill, its 128 KB partial out and the merge's read
-# of it. 16 makes the model pick every measured race winner of bench_attn_parts runs 7-9 (4 picked 9 splits
-# for the TP-8 verify shape C=8/32K/T=65/H=8, 4-5% slower than 5 in all three runs).
-_SPLIT_OVERHEAD_BLOCKS = 16
-
-
-def choose_num_splits(num_programs, num_key_blocks, resident_programs, min_split_blocks=4):
-    """Prefix splits per (sequence, m block) minimising waves x per-program work, at most
-    ceil(num_key_blocks / min_split_blocks) of them.
-
-    num_programs: C * m blocks (programs per split); num_key_blocks: S_max / block_k; resident_programs:
-    programs the GPU runs at once (one wave). A split count that leaves a last, mostly idle wave costs a
-    whole wave, so 17 splits of 8 sequences (136 programs on 132 SMs) lose to 16."""
-
-    def cost(splits):
-        waves = pl.cdiv(num_programs * splits, resident_programs)
-        return waves * (pl.cdiv(num_key_blocks, splits) + _SPLIT_OVERHEAD_BLOCKS), splits
-
-    return min(range(1, max(1, pl.cdiv(num_key_blocks, min_split_blocks)) + 1), key=cost)
-
-
-def list_schedule_makespan(program_sizes, resident_programs):
-    """When the last of the programs (sizes in launch order) ends if each starts on the first free slot of
-    resident_programs (how the GPU hands out CTAs)."""
-    free_at = [0] * resident_programs
-    for size in program_sizes:
-        heapq.heappush(free_at, heapq.heappop(free_at) + size)
-    return max(free_at)
-
-
-# A group shorter than this (in key blocks) would mostly pay its fixed cost; it bounds how finely the planner cuts.
-_MIN_GROUP_BLOCKS = 16
-
-
-def _program_sizes(plan, num_m_blocks, num_tail_blocks):
-    """The plan's programs in launch order (each group's row tiles side by side), each costing its key blocks (the
-    tail's in a sequence's last group) plus `_SPLIT_OVERHEAD_BLOCKS`, or 1 if it has none."""
-    tail_groups = {
-        groups[-1] for groups in mla_prefix_mosaic.sequence_groups(plan, 1 + max(c for c, _, _ in plan)) if groups
-    }
-    for g, (_, first, end) in enumerate(plan):
-        blocks = end - first + (num_tail_blocks if g in tail_groups else 0)
-        yield from [blocks + _SPLIT_OVERHEAD_BLOCKS if blocks else 1] * num_m_blocks
-
-
-def plan_makespan(plan, num_m_blocks, num_tail_blocks, resident_programs):
-    """The modelled time of a split plan (`mla_prefix_mosaic.check_plan`), in key blocks."""
-    return list_schedule_makespan(_program_sizes(plan, num_m_blocks, num_tail_blocks), resident_programs)
-
-
-def _fill_plan(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks, resident_programs, makespan):
-    """A plan whose every program ends by `makespan`, or None: the sequence with the most work left takes the next
-    group, as long as its latest-starting row tile still ends in time (its tail only with the rest of its cache)."""
-    free_at = [0] * resident_programs
-    cache_left, tail_left = [num_key_blocks] * num_seqs, [num_tail_blocks] * num_seqs
-    plan = []
-    while True:
-        c = max(range(num_seqs), key=lambda i: (cache_left[i] + tail_left[i], -i))
-        if not cache_left[c] + tail_left[c]:
-            return tuple(plan)
-        starts = [heapq.heappop(free_at) for _ in range(num_m_blocks)]
-        room = makespan - _SPLIT_OVERHEAD_BLOCKS - max(starts)
-        blocks = min(cache_left[c], room)
-        tail = tail_left[c] if cache_left[c] + tail_left[c] <= room else 0
-        if not tail and blocks < _MIN_GROUP_BLOCKS:
-            return None
-        plan.append((c, num_key_blocks - cache_left[c], num_key_blocks - cache_left[c] + blocks))
-        cache_left[c], tail_left[c] = cache_left[c] - blocks, tail_left[c] - tail
-        for start in starts:
-            heapq.heappush(free_at, start + blocks + tail + _SPLIT_OVERHEAD_BLOCKS)
-
-
-@functools.lru_cache(maxsize=256)
-def plan_splits(num_m_blocks, num_seqs, num_key_blocks, num_tail_blocks, resident_programs):
-    """The split plan (`mla_prefix_mosaic.check_plan`) for the Mosaic kernel, whose grid launches a group's row
-    tiles side by side, then the groups in plan order: the modelled fastest, then the one with fewest groups, of
-    equal splits (n a sequence, n from half `choose_num_splits`'s count to all of it) and the greedy plan
-    (`_fill_plan`) at the least makespan it meets (binary search). Like every split choice here it plans full
-    caches (S_max keys a sequence); the kernel cuts a shorter prefix in the same proportions.
-    C=8/32K/T=65/H=8: a modelled 307 key blocks against 334 for per-sequence counts 3 and 4 and 357
-    for 5 each (bench/verify_attn.md, runs 22-24)."""
-    args = num_m_blocks, num_tail_blocks, resident_programs
-    cost = lambda plan: (plan_makespan(plan, *args), len(plan))
-    uniform = choose_num_splits(num_seqs * num_m_blocks, num_key_blocks, resident_programs)
-    best = min(
-        (mla_prefix_mosaic.equal_plan(n, num_seqs, num_key_blocks) for n in range(max(1, uniform // 2), uniform + 1)),
-        key=cost,
-    )
-    if num_m_blocks > resident_programs:  # a group's tiles would not start together
-        return best
-    lo, hi = pl.cdiv(num_seqs * num_m_blocks * (num_key_blocks + num_tail_blocks), resident_programs), cost(best)[0] - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _fill_plan(num_m_blocks, num_seqs, num_key_blocks, *args[1:], mid) else (mid + 1, hi)
-    greedy = _fill_plan(num_m_blocks, num_seqs, num_key_blocks, *args[1:], lo)
-    return greedy if greedy and cost(greedy) < cost(best) else best
-
-
 def mosaic_tiles(M, S_max, T):
     """(query row tiles, cache key blocks, tail key blocks) of `mla_prefix_mosaic` for a sequence of M query rows,
     S_max cache rows and T tail rows."""
@@ -397,16 +297,14 @@ def mosaic_plan(C, M, S_max, T):
 def merge_groups(o_GMR, lse_GM, plan, num_seqs):
     """[C, M, R] float32: each sequence's partials merged, read where the kernel writes them (`partial_slots`:
     sequence after sequence). With one group count for every sequence that is a reshape; otherwise sequences with
-    the same count are merged together (their runs gathered into [C_n, n, ...]) and put back in order. (Partials
-    at their plan position needed a gather even then: 5-10 us more a decode call at C = 2-4; a Pallas-Triton
-    merge measured no faster in whole calls: bench/verify_attn.md, runs 29-30 and 35-36.)"""
-    groups = mla_prefix_mosaic.sequence_groups(plan, num_seqs)
+    the same count are merged together (their runs gathered into [C_n, n, ...]) and put back in order."""
+    groups = sequence_groups(plan, num_seqs)
     counts = [len(gs) for gs in groups]
     if len(set(counts)) == 1:
         return _merge_partials(
             o_GMR.reshape(num_seqs, counts[0], *o_GMR.shape[1:]), lse_GM.reshape(num_seqs, counts[0], -1)
         )
-    slots = mla_prefix_mosaic.partial_slots(plan, num_seqs)
+    slots = partial_slots(plan, num_seqs)
     merged, order = [], []
     for count in sorted(set(counts)):
         seqs = [seq for seq in range(num_seqs) if counts[seq] == count]
@@ -421,8 +319,7 @@ PREFIX_KERNELS = ("auto", "triton", "mosaic")
 
 def mosaic_prefix_fits(q_lat, cache):
     """Whether `mla_prefix_mosaic` takes this shape: bf16, (R, P) = (512, 64), S_max a multiple of 8 (its TMA
-    tiling). "auto" also wants more than 16 query rows a sequence: below that Triton's 16-row tiles win
-    (decode at 8 heads: 72% vs 69% of the floor, bench/verify_attn.md)."""
+    tiling). "auto" also wants more than 16 query rows a sequence: below that Triton's 16-row tiles are faster."""
     C, T, H, R = q_lat.shape
     return (
         q_lat.dtype == jnp.bfloat16
@@ -448,11 +345,11 @@ def _mosaic_attention(
 ):
     """(o [G, M, R], lse [G, M], plan): the partials of the plan's groups from `mla_prefix_mosaic` (64-row tiles,
     64-key blocks, one CTA an SM; a sequence's last group also attends to the tail), under `mosaic_plan` or
-    num_splits equal splits a sequence. prefix_attention: the kernel (another version of it in A/B races)."""
+    num_splits equal splits a sequence. prefix_attention: the kernel (scripts race other versions of it)."""
     C, M, _ = q_lat_CMR.shape
     T = tail.shape[1]
     plan = (
-        mla_prefix_mosaic.equal_plan(num_splits, C, mosaic_tiles(M, cache.shape[1], T)[1])
+        equal_plan(num_splits, C, mosaic_tiles(M, cache.shape[1], T)[1])
         if num_splits
         else mosaic_plan(C, M, cache.shape[1], T)
     )
@@ -505,7 +402,8 @@ def tree_mla_attention(
     layer=None,
     interpret: bool = False,
 ):
-    """Pallas-Triton tree MLA attention; arguments and result as in `tree_mla_attention_reference`.
+    """Tree MLA attention on the GPU (Pallas-Triton or Mosaic GPU prefix kernel); arguments and result as in
+    `tree_mla_attention_reference`.
     With `layer`, the kernels read that layer inside the whole cache stack (no per-layer copy).
 
     Knobs: block_m query rows (tree token x head) per tile, clamped to T*H (at least 16); block_k
@@ -517,9 +415,8 @@ def tree_mla_attention(
     kernel below), "mosaic" (`mla_prefix_mosaic`, warp-specialised; see `mosaic_prefix_fits`; block_m / block_k /
     block_r / warps / stages do not apply)
     or "auto": mosaic where it fits, T*H > 16 and the GPU is a Hopper (`arch.has_wgmma`), else triton.
-    Defaults are the H200 tuning winners (bench/verify_attn.md): block_k 64, 2 stages, latent in 256-wide
-    chunks for 64-row tiles (verify 42.5% of floor vs 34.5% for block_k 32 / 3 stages / whole latent), and
-    whole latent for 16-row tiles (decode at 8 heads: 80.4%).
+    The Triton defaults (block_k 64, 2 stages, 256-wide latent chunks for 64-row tiles, the whole latent for
+    16-row tiles) were tuned on the H200.
     """
     C, T, H, R, P = _check_args(q_lat, q_rope, _check_layer(cache, layer), prefix_len, tail, visibility)
     cache, cache_seq = _cache_rows(cache, layer, C)
@@ -563,8 +460,7 @@ def tree_mla_attention(
         wide = block_m >= 64
         resident = _NUM_SMS * (1 if wide else 2)  # 64-row tiles fill an SM's shared memory
         # 16-row tiles split down to one key block: where SMs are idle a program's latency is the call's, and their
-        # partials (16 KB a split at 8 heads) cost the merge little (decode at 8 heads, C <= 16 at 1K and C <= 2 at
-        # 8K: 8-31% less a layer; bench/verify_attn.md, runs 50-52)
+        # partials (16 KB a split at 8 heads) cost the merge little
         num_splits = choose_num_splits(
             C * num_m_blocks, pl.cdiv(S_max, block_k), resident, min_split_blocks=4 if wide else 1
         )
@@ -604,44 +500,3 @@ def tree_mla_attention(
         name="tree_mla_tail",
     )(q_lat_CMR, q_rope_CMP, tail, visibility.reshape(C, T * T))
     return _merge_partials(o_prefix, lse_prefix, o_tail, lse_tail).reshape(C, T, H, R).astype(q_lat.dtype)
-
-
-def tree_mla_attention_sharded(
-    mesh, *, axis: str = "model", impl: str = "pallas", interpret: bool = False, **block_knobs
-):
-    """Returns f(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale, layer=None) with heads sharded
-    over mesh axis `axis` (shard_map); the latent cache (or its layer stack), tail, lengths, visibility and
-    layer are replicated."""
-    if impl == "pallas":
-        attention = functools.partial(tree_mla_attention, interpret=interpret, **block_knobs)
-    elif impl == "reference":
-        if block_knobs:
-            raise ValueError(f"block knobs {sorted(block_knobs)} apply only to impl='pallas'")
-        attention = tree_mla_attention_reference
-    else:
-        raise ValueError(f"impl must be 'pallas' or 'reference', got {impl!r}")
-    if axis not in mesh.axis_names:
-        raise ValueError(f"axis {axis!r} is not a mesh axis {mesh.axis_names}")
-    heads = PartitionSpec(None, None, axis, None)
-    replicated = PartitionSpec()
-
-    def sharded_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, layer=None):
-        if q_lat.ndim != 4 or q_lat.shape[2] % mesh.shape[axis]:
-            raise ValueError(
-                f"q_lat heads (shape {q_lat.shape}) must divide over {mesh.shape[axis]} devices of {axis!r}"
-            )
-        args = (q_lat, q_rope, cache, prefix_len, tail, visibility)
-        if layer is None:
-            local = functools.partial(attention, scale=scale)
-        else:
-            args += (jnp.asarray(layer, jnp.int32),)
-            local = lambda *a: attention(*a[:-1], scale=scale, layer=a[-1])
-        return jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(heads, heads) + (replicated,) * (len(args) - 2),
-            out_specs=heads,
-            check_vma=False,
-        )(*args)
-
-    return sharded_attention

@@ -10,6 +10,8 @@ import pytest
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+from k26jax import sharded_kernels
+from pallas_kernels import int4_moe_common
 from pallas_kernels import int4_moe_gemm as moe
 
 H200 = AbstractMesh(
@@ -118,7 +120,7 @@ def test_sort_routing_pads_every_group_to_block_multiples():
 def test_expert_ranks_are_a_stable_argsort_by_expert(num_pairs, chunk):
     """Counts and ranks without a sort, across chunk boundaries and ragged last chunks, against numpy."""
     local = np.random.default_rng(num_pairs).integers(-2, 10, num_pairs).astype(np.int32)  # 8 experts
-    counts, rank = jax.jit(moe.expert_ranks, static_argnums=(1, 2))(jnp.asarray(local), 8, chunk)
+    counts, rank = jax.jit(int4_moe_common.expert_ranks, static_argnums=(1, 2))(jnp.asarray(local), 8, chunk)
     key = np.where((local >= 0) & (local < 8), local, 8)
     order = np.argsort(key, kind="stable")
     want_rank = np.empty(num_pairs, np.int64)
@@ -219,13 +221,13 @@ def test_sharded_forms_equal_unsharded_reference(mode):
     x = jnp.asarray(np.random.default_rng(11).normal(size=(6, 256)), jnp.float32)
     ids, weights = random_routing(12, 6, 3, num_ids=8)
     y_ref = moe.fused_moe_reference(x, ids, weights, *packed)
-    specs = moe.fused_moe_specs(mode, axis="model")
+    specs = sharded_kernels.moe_specs(mode)
     args = [
         jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) for a, spec in zip((x, ids, weights, *packed), specs)
     ]
     tiling = moe.Tiling(block_n_gate_up=64, block_n_down=64, dequant="f32")
     for impl in ("reference", "pallas"):
-        f = moe.fused_moe_sharded(mesh, axis="model", mode=mode, impl=impl, interpret=True, tiling=tiling)
+        f = sharded_kernels.fused_moe_sharded(mesh, mode=mode, impl=impl, interpret=True, tiling=tiling)
         assert rel_err(jax.jit(f)(*args), y_ref) < 1e-5
 
 

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+from k26jax import sharded_kernels
+from pallas_kernels import int4_moe_common
 from pallas_kernels import int4_moe_gemm as moe
 from pallas_kernels import int4_moe_mosaic as mosaic
 from tests.test_int4_moe_gemm import random_experts, random_routing, rel_err
@@ -172,7 +174,7 @@ def test_gate_up_rows_are_tile_aligned_and_hold_each_slots_token(num_tokens, blo
     window must start at a multiple of 8, and row block_row[b] + r must hold the token of slot b * block_m + r."""
     ids, _ = random_routing(num_tokens, num_tokens, 4, 10)  # 8 local experts, ids 8 and 9 off-shard
     local_ids = ids.reshape(-1)
-    ranks = moe.expert_ranks(local_ids, 8)
+    ranks = int4_moe_common.expert_ranks(local_ids, 8)
     route = moe.sort_routing(local_ids, 8, block_m)
     token_of_row, block_row = (
         np.asarray(a) for a in mosaic.gate_up_rows(local_ids, *ranks, route.block_expert, block_m, 4)
@@ -236,14 +238,14 @@ def test_sharded_forms_lower_with_the_mosaic_kernels(mode):
         (),
     )
     dtypes = (jnp.bfloat16, jnp.int32, jnp.float32, jnp.int32, jnp.bfloat16, jnp.int32, jnp.bfloat16, jnp.int32)
-    specs = moe.fused_moe_specs(mode, stacked=True) + (jax.sharding.PartitionSpec(),)
+    specs = sharded_kernels.moe_specs(mode, stacked=True) + (jax.sharding.PartitionSpec(),)
     args = [
         jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
         for shape, dtype, spec in zip(shapes, dtypes, specs)
     ]
     with use_abstract_mesh(mesh):
         hlo = (
-            jax.jit(moe.fused_moe_sharded(mesh, mode=mode, stacked=True))
+            jax.jit(sharded_kernels.fused_moe_sharded(mesh, mode=mode, stacked=True))
             .trace(*args)
             .lower(lowering_platforms=("cuda",))
             .as_text()

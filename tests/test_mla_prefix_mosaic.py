@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import mla_prefix_mosaic as mp
+from pallas_kernels import mla_splits
 from pallas_kernels.tree_mla_attention import tree_mla_attention, tree_mla_attention_reference
 from tests.test_tree_mla_attention import make_inputs, rel_err
 
@@ -50,7 +51,7 @@ def test_partials_match_reference(splits, T):
     prefix_len = jnp.asarray([0, 1, 127, 264], jnp.int32)
     q, cache, tail = bf16_normal(rng, 4, 100, D), bf16_normal(rng, 4, 264, D), bf16_normal(rng, 4, T, D)
     visible = random_tail_visibility(rng, 4, 100, T, see_nothing=[(0, 3), (0, 99)])
-    plan = splits if isinstance(splits, tuple) and isinstance(splits[0], tuple) else mp.equal_plan(splits, 4, 5)
+    plan = splits if isinstance(splits, tuple) and isinstance(splits[0], tuple) else mla_splits.equal_plan(splits, 4, 5)
     run = functools.partial(mp.mla_prefix_attention, plan=plan, qk_scale=QK_SCALE, interpret=True)
     o, lse = run(*split_q(q), cache, prefix_len, tail, visible)
     o_ref, lse_ref = mp.mla_prefix_reference(
@@ -58,7 +59,7 @@ def test_partials_match_reference(splits, T):
     )
     assert o.shape == (len(plan), 100, mp.LAT_DIM) and lse.shape == (len(plan), 100)
     np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_ref))  # the same groups are empty
-    slots = mp.partial_slots(plan, 4)
+    slots = mla_splits.partial_slots(plan, 4)
     seq0 = [slots[g] for g, group in enumerate(plan) if group[0] == 0]
     assert np.isneginf(np.asarray(lse)[seq0[:-1]]).all()  # no prefix: only the tail group sees keys
     assert np.isneginf(lse[seq0[-1], [3, 99]]).all() and not np.asarray(o[seq0[-1], [3, 99]]).any()
@@ -89,7 +90,7 @@ def test_large_logits_stay_finite():
     prefix_len = jnp.asarray([200], jnp.int32)
     q, cache = bf16_normal(rng, 1, 64, D, scale=30.0), bf16_normal(rng, 1, 200, D, scale=30.0)
     tail, visible = bf16_normal(rng, 1, 5, D, scale=30.0), random_tail_visibility(rng, 1, 64, 5)
-    plan = mp.equal_plan(1, 1, 4)
+    plan = mla_splits.equal_plan(1, 1, 4)
     o, lse = mp.mla_prefix_attention(
         *split_q(q), cache, prefix_len, tail, visible, plan=plan, qk_scale=1.0, interpret=True
     )
@@ -148,7 +149,7 @@ def test_bad_arguments_raise():
         run(q_lat, q_rope, bf16_normal(rng, 1, 64, D), lens, tail[..., :512], visible)
     for bad_splits in ((1, 2), 0):  # two counts for one sequence; no split
         with pytest.raises(ValueError, match="num_splits"):
-            mp.equal_plan(bad_splits, 1, 1)
+            mla_splits.equal_plan(bad_splits, 1, 1)
     for bad_plan in (((0, 0, 2), (0, 1, 2)), ((0, 0, 1), (1, 0, 2)), ((0, 1, 2),), ((0, 0, 1),)):
         with pytest.raises(ValueError, match="plan"):  # overlap; no sequence 1; a gap at 0; short of the cache's 2
             mp.mla_prefix_attention(

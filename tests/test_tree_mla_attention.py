@@ -11,17 +11,10 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, Mesh, use_abstract_mesh
 
 from k26jax import ddtree
-from pallas_kernels import mla_prefix_mosaic
-from pallas_kernels.tree_mla_attention import (
-    choose_num_splits,
-    list_schedule_makespan,
-    merge_groups,
-    plan_makespan,
-    plan_splits,
-    tree_mla_attention,
-    tree_mla_attention_reference,
-    tree_mla_attention_sharded,
-)
+from k26jax.sharded_kernels import tree_mla_attention_sharded
+from pallas_kernels import mla_prefix_mosaic, mla_splits
+from pallas_kernels.mla_splits import choose_num_splits, list_schedule_makespan, plan_makespan, plan_splits
+from pallas_kernels.tree_mla_attention import merge_groups, tree_mla_attention, tree_mla_attention_reference
 
 R, P = 64, 16  # the tiny model's latent / rope widths
 S_MAX = 1000
@@ -292,12 +285,12 @@ def test_plan_splits(m_blocks, C, key_blocks, tail_blocks, most_makespan, unifor
     """The plan is valid, never models slower than `choose_num_splits`'s equal splits, and meets the makespan its
     model found when it was written (equal splits, sequence after sequence, where uniform_splits is given)."""
     plan = plan_splits(m_blocks, C, key_blocks, tail_blocks, 132)
-    assert mla_prefix_mosaic.check_plan(plan, C, key_blocks) == plan
-    equal = mla_prefix_mosaic.equal_plan(choose_num_splits(C * m_blocks, key_blocks, 132), C, key_blocks)
+    assert mla_splits.check_plan(plan, C, key_blocks) == plan
+    equal = mla_splits.equal_plan(choose_num_splits(C * m_blocks, key_blocks, 132), C, key_blocks)
     makespan = plan_makespan(plan, m_blocks, tail_blocks, 132)
     assert makespan <= min(most_makespan, plan_makespan(equal, m_blocks, tail_blocks, 132))
     if uniform_splits:
-        assert plan == mla_prefix_mosaic.equal_plan(uniform_splits, C, key_blocks)
+        assert plan == mla_splits.equal_plan(uniform_splits, C, key_blocks)
     else:
         last = {c: g for g, (c, _, _) in enumerate(plan)}  # a last group may hold less: the rest, and the tail
         assert all(end - first >= 16 for g, (c, first, end) in enumerate(plan) if g != last[c])
