@@ -1,4 +1,4 @@
-"""The one seam between the model/engine and the kernels.
+"""The one door from the model and the engine to the kernels of pallas_kernels.
 
 Each op picks `impl="pallas"` (the GPU kernels) or `impl="reference"` (plain jnp). On a multi-device mesh the
 Pallas forms of the MoE and the attention run under shard_map (k26jax/sharded_kernels.py); the reference forms
@@ -19,22 +19,27 @@ from pallas_kernels import tree_build as tree_build_kernel
 from pallas_kernels import tree_mla_attention as mla_kernel
 
 IMPLS = ("pallas", "reference")
+SKIP = "skip"  # Impls.moe / Impls.attention only: the op returns its input (benchmark phase ablations)
 
-# What XLA GPU would otherwise copy every step (bench/e2e.md, "Weights read in place"):
+# What XLA GPU would otherwise copy every step:
 # - a layer scan slices each layer's weights out of their stack, and its Triton dot fusions cannot read that
 #   slice in place; with dynamic-slice fusion and cuBLAS dots each dot reads it where it lies;
 # - the dot merger concatenates the weights of dots that share an input (q_a with kv_a, the drafter's q, k, v)
 #   into a new array; a 0 MB threshold turns it off.
 SLICE_IN_PLACE = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
 NO_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}
-# For jax.jit(compiler_options=) of anything that runs the model. cuBLAS is slow at 1 row (0.16 ms a layer against
-# 0.10 with the copy, 0.04 at 8 rows in place), so the model pads its dense dots to layers.GPU_MIN_ROWS rows.
+# For jax.jit(compiler_options=) of anything that runs the model. cuBLAS is slow at 1 row, so the model pads its
+# dense dots to layers.GPU_MIN_ROWS rows.
 COMPILER_OPTIONS = {**NO_DOT_MERGER, **SLICE_IN_PLACE}
 
 
 @dataclasses.dataclass(frozen=True)
 class Impls:
-    """Which implementation each op uses; hashable, so it can be a static jit argument."""
+    """Which implementation each op uses; hashable, so it can be a static jit argument.
+
+    moe and attention also take "skip" for benchmark phase ablations: `moe_gemm` then returns x_ND and
+    `mla_attention` q_lat, with no kernel, so a step's time can be taken apart phase by phase.
+    """
 
     moe: str = "reference"
     attention: str = "reference"
@@ -46,8 +51,9 @@ class Impls:
 
     def __post_init__(self):
         for field in ("moe", "attention", "tree_build", "tree_accept"):
-            if getattr(self, field) not in IMPLS:
-                raise ValueError(f"Impls.{field}={getattr(self, field)!r}: use one of {IMPLS}")
+            allowed = IMPLS + (SKIP,) if field in ("moe", "attention") else IMPLS
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"Impls.{field}={getattr(self, field)!r}: use one of {allowed}")
 
     @classmethod
     def auto(cls, mesh: Mesh | None = None, expert_mode: str = "ep") -> "Impls":
@@ -66,6 +72,8 @@ def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
     The weights are the whole per-layer stacks ([n, E, ...]): the kernel indexes the layer itself, because a
     slice in front of a custom call would copy ~9.5 GB of experts per K2.6 layer. See int4_moe_gemm.py.
     """
+    if impls.moe == SKIP:
+        return x_ND
     args = (x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
     if impls.moe == "reference":
         return int4_moe_gemm.fused_moe_reference(*args, layer=layer)
@@ -83,6 +91,8 @@ def mla_attention(q_lat, q_rope, cache, prefix_len, tail_rows, visibility, *, sc
     front of a custom call would copy the layer's cache (C * S_max * 1152 bytes) every layer of every step.
     See pallas_kernels/tree_mla_attention.py.
     """
+    if impls.attention == SKIP:
+        return q_lat
     args = (q_lat, q_rope, cache, prefix_len, tail_rows, visibility)
     if impls.attention == "reference":
         return mla_kernel.tree_mla_attention_reference(*args, scale=scale, layer=layer)
@@ -93,11 +103,23 @@ def mla_attention(q_lat, q_rope, cache, prefix_len, tail_rows, visibility, *, sc
     return mla_kernel.tree_mla_attention(*args, scale=scale, layer=layer, interpret=impls.interpret)
 
 
+def draft_topk(draft_logits_CLV, k: int):
+    """Top-k of each depth's draft logits (XLA): (logq [C, L, k] float32 log-softmax over the full vocab,
+    ids [C, L, k] int32), the inputs of `tree_build`. See pallas_kernels/tree_build.py."""
+    return tree_build_kernel.draft_topk(draft_logits_CLV, k)
+
+
 def tree_build(logq, ids, budgets, *, max_budget: int, impls: Impls, **knobs):
     """Best-first draft tree from per-depth top-K. See pallas_kernels/tree_build.py."""
     if impls.tree_build == "reference":
         return tree_build_kernel.tree_build_reference(logq, ids, budgets, max_budget=max_budget, **knobs)
     return tree_build_kernel.tree_build(logq, ids, budgets, max_budget=max_budget, interpret=impls.interpret, **knobs)
+
+
+def visibility_from_parents(parents, *, max_depth: int | None = None):
+    """parents [C, B+1] (-1 = root or padding) -> the tree mask [C, B+1, B+1] bool (XLA): each node sees itself
+    and its ancestors. See pallas_kernels/tree_build.py."""
+    return tree_build_kernel.visibility_from_parents(parents, max_depth=max_depth)
 
 
 def tree_accept(tokens, parents, post, num_nodes, *, max_depth: int, impls: Impls):
