@@ -133,17 +133,25 @@ def naive_fits(C, S, T, H):
 
 
 # ---- the sweep ---------------------------------------------------------------------------------------------------
-def sweep_row(point, kernel, naive, ceilings, prefix_kernel):
-    C, S, T, H = point
+def compile_sweep_point(point, args):
+    """(the attention, the naive XLA version or None), compiled for one shape."""
+    attention = functools.partial(tree_mla_attention, scale=SCALE, prefix_kernel=args.prefix_kernel)
+    kernel = jax.jit(attention).lower(*abstract_operands(*point)).compile()
+    with_naive = args.points or point in {s[:4] for s in SWEEP if s[4]}
+    if not (with_naive and naive_fits(*point)):
+        return kernel, None
+    return kernel, jax.jit(functools.partial(naive_xla, scale=SCALE)).lower(*abstract_operands(*point)).compile()
+
+
+def sweep_row(point, compiled, ceilings, args):
+    (kernel, naive), (C, S, T, H) = compiled, point
     arg_sets = [make_operands(*point, seed=i) for i in range(num_input_sets(*point))]
     cache_bytes, flops, floor, measured_floor = floors(*point, arg_sets[0][5], ceilings)
     row = dict(C=C, prefix=S, T=T, H=H, cache_bytes=cache_bytes, flops=flops, floor_s=floor)
     row["measured_floor_s"] = measured_floor
-    if prefix_kernel != "triton" and T * H > 16:  # the Mosaic kernel's split plan: groups of each sequence
+    if args.prefix_kernel != "triton" and T * H > 16:  # the Mosaic kernel's split plan: groups of each sequence
         plan = mosaic_plan(C, T * H, S, T)
         row.update(groups=len(plan), groups_per_seq=[len(g) for g in sequence_groups(plan, C)])
-    if isinstance(kernel, Exception):
-        return dict(row, error=harness.error_text(kernel))
     sec = harness.median_seconds(harness.rotating(kernel, arg_sets), min_calls=len(arg_sets))
     row.update(
         time_s=sec,
@@ -151,42 +159,18 @@ def sweep_row(point, kernel, naive, ceilings, prefix_kernel):
         pct_of_measured_floor=100 * measured_floor / sec,
         tflops=flops / sec / 1e12,
     )
-    if naive is not None and not isinstance(naive, Exception):
+    if naive is not None:
         row["naive_xla_s"] = harness.median_seconds(harness.rotating(naive, arg_sets[:2]), target_s=0.03, repeats=3)
         row["speedup_vs_naive"] = row["naive_xla_s"] / sec
     return row
 
 
-def sweep(points, args, record, ceilings, start):
-    attention = functools.partial(tree_mla_attention, scale=SCALE, prefix_kernel=args.prefix_kernel)
-    jobs = {("kernel", p): functools.partial(jax.jit(attention).lower, *abstract_operands(*p)) for p in points}
-    naive = functools.partial(naive_xla, scale=SCALE)
-    with_naive = set(points) if args.points else {s[:4] for s in SWEEP if s[4]}
-    for p in points:
-        if p in with_naive and naive_fits(*p):
-            jobs[("naive", p)] = functools.partial(jax.jit(naive).lower, *abstract_operands(*p))
-    compiled = harness.compile_all({key: lambda lower=lower: lower().compile() for key, lower in jobs.items()})
-    print(f"compiled {len(compiled)} executables [{time.perf_counter() - start:.0f}s]", flush=True)
-    print("  C prefix    T   H   time_ms  floor_ms  %floor  TFLOP/s  naive_ms speedup", flush=True)
-    for point in points:
-        if time.perf_counter() - start > args.budget_s:
-            record["skipped"].append(point)
-            continue
-        row = sweep_row(
-            point, compiled[("kernel", point)], compiled.get(("naive", point)), ceilings, args.prefix_kernel
-        )
-        record["rows"].append(row)
-        harness.write_json(record, args.out)
-        head = f"{point[0]:>3} {point[1]:>6} {point[2]:>4} {point[3]:>3}"
-        if "error" in row:
-            print(f"{head}  ERROR {row['error'][:100]}", flush=True)
-            continue
-        naive_ms = f"{row['naive_xla_s'] * 1e3:9.3f} {row['speedup_vs_naive']:6.2f}x" if "naive_xla_s" in row else ""
-        print(
-            f"{head} {row['time_s'] * 1e3:9.3f} {row['floor_s'] * 1e3:9.3f} {row['pct_of_floor']:6.1f}% "
-            f"{row['tflops']:7.1f} {naive_ms}",
-            flush=True,
-        )
+def sweep_line(row):
+    naive = f"{row['naive_xla_s'] * 1e3:9.3f} {row['speedup_vs_naive']:6.2f}x" if "naive_xla_s" in row else ""
+    return (
+        f"{row['time_s'] * 1e3:9.3f} {row['floor_s'] * 1e3:9.3f} {row['pct_of_floor']:6.1f}% {row['tflops']:7.1f} "
+        f"{naive}"
+    )
 
 
 # ---- the layer scan -------------------------------------------------------------------------------------------
@@ -208,7 +192,8 @@ def layer_scan(q_lat, q_rope, stack, prefix_len, tail, visibility):
     return jax.lax.scan(body, q_lat, jnp.arange(stack.shape[0], dtype=jnp.int32))[0]
 
 
-def compile_layer_point(point):
+def compile_layer_point(point, args):
+    """(the call alone with a layer index, the layer scan), compiled for one shape."""
     operands = abstract_operands(*point, layers=num_layers(point[0], point[1]))
     return (
         jax.jit(call_alone).lower(*operands, jax.ShapeDtypeStruct((), jnp.int32)).compile(),
@@ -216,7 +201,7 @@ def compile_layer_point(point):
     )
 
 
-def layer_scan_row(point, compiled, ceilings):
+def layer_scan_row(point, compiled, ceilings, args):
     alone, scan = compiled
     operands = make_operands(*point, layers=num_layers(point[0], point[1]))
     L = operands[2].shape[0]
@@ -242,26 +227,22 @@ def layer_scan_row(point, compiled, ceilings):
     return row
 
 
-def layer_scans(points, args, record, ceilings, start):
-    compiled = harness.compile_all({p: functools.partial(compile_layer_point, p) for p in points})
-    print(f"compiled {len(points)} points [{time.perf_counter() - start:.0f}s]", flush=True)
-    print("  C prefix    T   H  L  alone_us  %floor   scan_us/layer  %floor  identical", flush=True)
-    for point in points:
-        if time.perf_counter() - start > args.budget_s:
-            record["skipped"].append(point)
-            continue
-        if isinstance(compiled[point], Exception):
-            record["rows"].append(dict(zip("C prefix T H".split(), point), error=harness.error_text(compiled[point])))
-            continue
-        row = layer_scan_row(point, compiled[point], ceilings)
-        record["rows"].append(row)
-        harness.write_json(record, args.out)
-        print(
-            f"{point[0]:>3} {point[1]:>6} {point[2]:>4} {point[3]:>3} {row['layers']:>2} {row['alone_s'] * 1e6:9.1f} "
-            f"{row['alone_pct_of_floor']:6.1f}% {row['scan_s'] * 1e6:14.1f} {row['scan_pct_of_floor']:6.1f}%  "
-            f"{row['identical_to_calls_alone']}",
-            flush=True,
-        )
+def layer_scan_line(row):
+    return (
+        f"{row['layers']:>2} {row['alone_s'] * 1e6:9.1f} {row['alone_pct_of_floor']:6.1f}% {row['scan_s'] * 1e6:14.1f} "
+        f"{row['scan_pct_of_floor']:6.1f}%  {row['identical_to_calls_alone']}"
+    )
+
+
+MODES = {  # (compile a shape, measure it, the printed header after "C prefix T H", a printed row)
+    "sweep": (compile_sweep_point, sweep_row, "  time_ms  floor_ms  %floor  TFLOP/s  naive_ms speedup", sweep_line),
+    "layer_scan": (
+        compile_layer_point,
+        layer_scan_row,
+        " L  alone_us  %floor   scan_us/layer  %floor  identical",
+        layer_scan_line,
+    ),
+}
 
 
 def main():
@@ -286,7 +267,25 @@ def main():
         skipped=[],
     )
     print(f"ceilings: {ceilings.record()}", flush=True)
-    (layer_scans if args.layer_scan else sweep)(points, args, record, ceilings, start)
+    compile_point, measure, header, line = MODES["layer_scan" if args.layer_scan else "sweep"]
+    compiled = harness.compile_all({p: functools.partial(compile_point, p, args) for p in points})
+    print(
+        f"compiled {len(points)} shapes [{time.perf_counter() - start:.0f}s]\n  C prefix    T   H {header}", flush=True
+    )
+    for point in points:
+        if time.perf_counter() - start > args.budget_s:
+            record["skipped"].append(point)
+            continue
+        head = f"{point[0]:>3} {point[1]:>6} {point[2]:>4} {point[3]:>3}"
+        if isinstance(compiled[point], Exception):
+            record["rows"].append(
+                dict(zip(("C", "prefix", "T", "H"), point), error=harness.error_text(compiled[point]))
+            )
+            print(f"{head}  ERROR {record['rows'][-1]['error'][:100]}", flush=True)
+            continue
+        record["rows"].append(measure(point, compiled[point], ceilings, args))
+        harness.write_json(record, args.out)
+        print(f"{head} {line(record['rows'][-1])}", flush=True)
     harness.write_json(record, args.out)
     print("skipped:", record["skipped"])
 
