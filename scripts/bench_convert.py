@@ -21,10 +21,12 @@ import sys
 import time
 
 import harness
+import jax
+import jax.numpy as jnp
 
-from convert import hf_layout
 from convert.make_tiny import hf_config, tiny_text_config
 from k26jax.config import ModelConfig
+from k26jax.model import target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,26 +49,13 @@ def run_child(code: str, *args) -> tuple[str, int, float]:
 
 
 def layer_bytes(cfg: ModelConfig) -> int:
-    """Bytes of the largest decoder layer in the converted tree."""
-    shapes = hf_layout.param_shapes(cfg)
-    best = 0
-    for kind, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers)):
-        if n:
-            leaves = _leaves(shapes[kind])
-            best = max(best, sum(_nbytes(s, d) for s, d in leaves) // n)
-    return best
-
-
-def _leaves(tree):
-    for v in tree.values():
-        yield from (_leaves(v) if isinstance(v, dict) else [v])
-
-
-def _nbytes(shape, dtype):
-    n = 1
-    for d in shape:
-        n *= d
-    return n * dtype.itemsize
+    """Bytes of the largest decoder layer in the converted tree (bf16; routed experts INT4 + scales)."""
+    tree = target.abstract_params(cfg, jnp.bfloat16)
+    return max(
+        sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree[kind])) // n
+        for kind, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers))
+        if n
+    )
 
 
 def evict(path: str) -> None:
