@@ -1,18 +1,19 @@
 """End-to-end decode step: AR, chain DFlash and DDTree through the real engine step, at K2.6 width.
 
-Every step is the engine's (k26jax.engine pieces: DFlash draft, top-K, tree_build, target verify with the
-tree-masked MLA and INT4 MoE kernels, per-node choice, tree_accept, commit), compiled whole, with one change:
-the accept result is replaced by a seeded draw with mean --tau (random weights accept nothing), so the step
-emits tau tokens per sequence like a trained drafter would, and commits tau rows (path = nodes 0..tau-1; for a
-chain that is the real path, for a tree it is the first-popped nodes, a real path when the drafter is
-confident). The real tree_accept still runs inside the step. Weights are random and made on the device.
+Every step is the engine's own (`engine.Decoder`: DFlash draft, top-K, tree_build, target verify with the
+tree-masked MLA and INT4 MoE kernels, per-node choice, tree_accept, commit), compiled whole by the Decoder, with
+one change, made through its acceptor seam (`ControlledAccept`): the real tree_accept runs, then its result is
+replaced by a seeded draw with mean --tau (random weights accept nothing), so the step emits tau tokens per
+sequence like a trained drafter would, and commits tau rows (path = nodes 0..tau-1; for a chain that is the real
+path, for a tree it is the first-popped nodes, a real path when the drafter is confident). Weights are random and
+made on the device.
 
 Caches are filled by a synthetic prefill (random latent rows and drafter context K/V, lengths = context).
-Each step is timed as a lax.fori_loop of n steps in one executable (median over repeats of the per-step
-time). Ablations skip one phase (draft: random logits instead of the drafter; attention: the MLA kernel returns
-its query; moe: the routed experts return their input) to split the step by phase, or compile without
-ops.COMPILER_OPTIONS (options: XLA's defaults, which copy weights every step, see ops.py); the tree build (top-K +
-tree_build + visibility) is timed on its own.
+Each step is timed as `Decoder.run`, a lax.fori_loop of --steps steps in one executable (median over repeats of
+the per-step time). Ablations skip one phase to split the step by phase: draft (`engine.RandomDraft` instead of
+the drafter), attention / moe (`ops.Impls(attention="skip")`: the MLA returns its query; `moe="skip"`: the routed
+experts return their input), or options (`Decoder(xla_defaults=True)`: XLA's defaults, which copy weights every
+step, see ops.py); the tree build (top-K + tree_build + visibility) is timed on its own.
 
 floor (bytes): weights the step must read (attention, dense and shared MLPs, router, the routed experts that
 C*(B+1) tokens touch under uniform top-8-of-384 routing, embedding rows, lm_head once for verify and once for
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -42,7 +42,6 @@ import os
 import re
 import statistics
 import sys
-import threading
 import time
 import traceback
 
@@ -63,14 +62,12 @@ from k26jax import cache as kc  # noqa: E402
 from k26jax.config import DrafterConfig, ModelConfig, build_target_layer_ids, preset  # noqa: E402
 from k26jax.model import drafter as drafter_lib  # noqa: E402
 from k26jax.model import target  # noqa: E402
-from pallas_kernels.tree_build import visibility_from_parents  # noqa: E402
 
 SGLANG_DDTREE_8X_PRO6000 = {1: 138.7, 4: 322.0, 8: 466.0, 10: 517.0}  # tok/s, issue 8
 PRO6000_TBPS, H200_SPEC_TBPS = 1.8, 4.8
 K26_LAYERS = 61
 MAX_NEW = 4096  # never reached: sequences stay active while timed
-STEPS_CAP = 20  # steps per timed repeat (the cache margin is sized for it)
-TRACE_LOCK = threading.Lock()  # one tracer at a time: ablations patch `ops` while they are traced
+STEPS_CAP = 20  # the most steps a timed call may run (the cache margin is sized for it)
 
 
 # ---- configurations ----------------------------------------------------------------------------------------
@@ -219,26 +216,28 @@ class Setup:
         )
         return sharding.shardings_for(abstract, specs, self.mesh)
 
-    def lower_steps(self, v: Variant, impls: ops.Impls):
-        """fori_loop of n controlled steps, lowered on abstract arguments (nothing allocated)."""
-        step = functools.partial(
-            controlled_step,
-            cfg=self.cfg,
-            dcfg=self.dcfg,
-            sc=self.step_config(v),
-            impls=impls,
-            tau=self.tau(v),
-            seed=self.args.seed,
-            skip=frozenset(v.skip),
+    def decoder(self, v: Variant, impls: ops.Impls) -> engine.Decoder:
+        """The engine's Decoder for v: the controlled acceptance, and the phases in v.skip taken out."""
+        skipped = {op: "skip" for op in ("attention", "moe") if op in v.skip}
+        return engine.Decoder(
+            self.cfg,
+            self.dcfg,
+            self.step_config(v),
+            dataclasses.replace(impls, **skipped),
+            drafter=engine.RandomDraft(self.args.seed) if "draft" in v.skip else engine.DFlashDraft(),
+            acceptor=ControlledAccept(self.tau(v), self.args.seed),
+            xla_defaults="options" in v.skip,
         )
-        state_sh = self.state_shardings(v)
-        fn = jax.jit(functools.partial(run_steps, step_fn=step), donate_argnums=2, out_shardings=state_sh)
-        state_abs = _with_sharding(jax.eval_shape(self._fill(v), jax.random.key(0)), state_sh)
-        return fn.lower(
+
+    def compile_steps(self, v: Variant, impls: ops.Impls):
+        """`Decoder.run` of --steps steps, compiled on abstract arguments (nothing allocated)."""
+        state_abs = _with_sharding(jax.eval_shape(self._fill(v), jax.random.key(0)), self.state_shardings(v))
+        return self.decoder(v, impls).compile(
+            "run",
             _with_sharding(self.params_abs, self.params_sh),
             _with_sharding(self.dparams_abs, self.dparams_sh),
             state_abs,
-            jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated),
+            num_steps=self.args.steps,
         )
 
     def tau(self, v: Variant) -> float:
@@ -255,7 +254,7 @@ def _with_sharding(tree, shardings):
 
 def _build_with_visibility(draft_logits, sc, impls):
     tokens, depths, parents, num_nodes = engine.build_tree(draft_logits, sc=sc, impls=impls)
-    return tokens, depths, num_nodes, visibility_from_parents(parents)
+    return tokens, depths, num_nodes, ops.visibility_from_parents(parents, max_depth=sc.depth)
 
 
 # ---- synthetic prefill and the controlled step -------------------------------------------------------------
@@ -289,58 +288,24 @@ def draw_accept_lengths(key, C: int, depth: int, tau: float):
     return 1 + (jax.random.uniform(key, (C, depth)) < (tau - 1) / depth).sum(-1).astype(jnp.int32)
 
 
-@contextlib.contextmanager
-def _skipping(phases):
-    """While tracing: routed experts return their input ("moe"), the MLA kernel returns its query ("attention")."""
-    saved = ops.moe_gemm, ops.mla_attention
-    if "moe" in phases:
-        ops.moe_gemm = lambda x_ND, *args, **kwargs: x_ND
-    if "attention" in phases:
-        ops.mla_attention = lambda q_lat, *args, **kwargs: q_lat
-    try:
-        yield
-    finally:
-        ops.moe_gemm, ops.mla_attention = saved
+@dataclasses.dataclass(frozen=True)
+class ControlledAccept:
+    """An engine Acceptor: the real tree walk runs (its result kept live), then the accept length is replaced by a
+    seeded draw of mean tau and the path by nodes 0..tau-1 (see the module docstring)."""
 
+    tau: float
+    seed: int = 0
 
-def controlled_step(
-    params,
-    dparams,
-    state: engine.DecodeState,
-    *,
-    cfg,
-    dcfg,
-    sc: engine.StepConfig,
-    impls: ops.Impls,
-    tau: float,
-    seed: int,
-    skip=frozenset(),
-) -> engine.DecodeState:
-    """engine.step with the accept result replaced by a seeded draw of mean tau (and phases in `skip` removed)."""
-    C, L = state.root.shape[0], sc.depth
-    step_key = jax.random.fold_in(jax.random.key(seed), state.step)
-
-    def propose(params, dparams, state):
-        if "draft" in skip:
-            return jax.random.normal(jax.random.fold_in(step_key, 1), (C, L, cfg.vocab_size), jnp.float32)
-        return engine.dflash_propose(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc)
-
-    def accept(tokens, parents, post, num_nodes, state):
-        _, walked, _ = ops.tree_accept(tokens, parents, post, num_nodes, max_depth=L, impls=impls)
-        drawn = draw_accept_lengths(step_key, C, L, tau)
+    def accept(self, tokens_CB, parents_CB1, post_CB1, num_nodes_C, state, *, sc, impls):
+        C, L = post_CB1.shape[0], sc.depth
+        _, walked, _ = engine.TreeAccept().accept(
+            tokens_CB, parents_CB1, post_CB1, num_nodes_C, state, sc=sc, impls=impls
+        )
+        drawn = draw_accept_lengths(jax.random.fold_in(jax.random.key(self.seed), state.step), C, L, self.tau)
         accept_len = jnp.where(walked > L + 1, walked, drawn)  # never taken: keeps the real walk live
         j = jnp.arange(L + 1, dtype=jnp.int32)[None]
         path = jnp.where(j < accept_len[:, None], j, -1)
-        return path, accept_len, jnp.take_along_axis(post, (accept_len - 1)[:, None], axis=1)[:, 0]
-
-    with _skipping(skip):
-        return engine.step(
-            params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc, impls=impls, propose=propose, accept=accept
-        )
-
-
-def run_steps(params, dparams, state, num_steps, *, step_fn):
-    return jax.lax.fori_loop(0, num_steps, lambda _, s: step_fn(params, dparams, s), state)
+        return path, accept_len, jnp.take_along_axis(post_CB1, (accept_len - 1)[:, None], axis=1)[:, 0]
 
 
 # ---- bytes and FLOPs a step must move ----------------------------------------------------------------------
@@ -540,7 +505,7 @@ def large_values(hlo_text: str, min_bytes: int) -> list[str]:
 
 
 class Compiler:
-    """Lowers (one at a time, under TRACE_LOCK) and compiles (in parallel) executables; falls back per op."""
+    """Compiles executables in parallel threads; a step whose Pallas kernel fails falls back per op."""
 
     def __init__(self, workers: int):
         self.pool = cf.ThreadPoolExecutor(max_workers=workers)
@@ -554,9 +519,7 @@ class Compiler:
     @staticmethod
     def compile_jit(fn, *abstract_args):
         start = time.perf_counter()
-        with TRACE_LOCK:
-            lowered = fn.lower(*abstract_args)
-        return {"compiled": lowered.compile(), "compile_s": time.perf_counter() - start}
+        return {"compiled": fn.lower(*abstract_args).compile(), "compile_s": time.perf_counter() - start}
 
     @staticmethod
     def compile_step(setup: Setup, v: Variant, impls: ops.Impls):
@@ -564,9 +527,7 @@ class Compiler:
         start, errors = time.perf_counter(), []
         for _ in range(3):
             try:
-                with TRACE_LOCK:
-                    lowered = setup.lower_steps(v, impls)
-                compiled = lowered.compile(None if "options" in v.skip else ops.COMPILER_OPTIONS)
+                compiled = setup.compile_steps(v, impls)
                 mem = compiled.memory_analysis()
                 return {
                     "compiled": compiled,
@@ -582,9 +543,10 @@ class Compiler:
                     {"stage": "compile", "impls": impls_summary(impls), "ops": ops_failed, "error": text[:3000]}
                 )
                 print(f"[compile {v.name} C={v.C}] {text[:600]}", flush=True)
-                if all(getattr(impls, op) == "reference" for op in ops_failed):
+                fallback = {op: "reference" for op in ops_failed if getattr(impls, op) == "pallas"}
+                if not fallback:
                     break
-                impls = dataclasses.replace(impls, **{op: "reference" for op in ops_failed})
+                impls = dataclasses.replace(impls, **fallback)
         return {"compiled": None, "impls": impls, "errors": errors, "compile_s": time.perf_counter() - start}
 
 
@@ -731,7 +693,7 @@ class Runner:
         return row
 
     def _time(self, compiled, params, dparams, state, v: Variant, s: Setup):
-        """One call of one step (warm-up), then `repeats` calls of n steps each; seconds per step."""
+        """One call of --steps steps (warm-up), then --repeats more; seconds per step."""
 
         def put(x):
             return jax.device_put(x, s.replicated)
@@ -746,22 +708,17 @@ class Runner:
                 step=put(np.int32(0)),
             )
 
-        def call(st, n):
-            st = reset(st)
-            start = time.perf_counter()
-            st = jax.block_until_ready(compiled(params, dparams, st, put(np.int32(n))))
-            return st, time.perf_counter() - start
-
-        state, first = call(state, 1)
-        state, one = call(state, 1)
-        steps = int(min(STEPS_CAP, max(3, self.args.rep_seconds / max(one, 1e-6))))
+        steps = self.args.steps
+        start = time.perf_counter()
+        state = jax.block_until_ready(compiled(params, dparams, reset(state)))
+        first = time.perf_counter() - start
         carry = [state]
 
-        def run_steps(_):  # `steps` steps from the reset state; the state is donated, so it is carried along
-            carry[0] = compiled(params, dparams, reset(carry[0]), put(np.int32(steps)))
+        def run(_):  # `steps` steps from the reset state; the state is donated, so it is carried along
+            carry[0] = compiled(params, dparams, reset(carry[0]))
             return carry[0]
 
-        reps = harness.time_calls(run_steps, calls=1, per_call=steps, repeats=self.args.repeats, warmup=False)
+        reps = harness.time_calls(run, calls=1, per_call=steps, repeats=self.args.repeats, warmup=False)
         state = carry[0]
         accept = np.asarray(state.accept_lens)[:steps]
         return {"reps": reps, "steps": steps, "first_call_s": first, "accept": accept}, state
@@ -1034,20 +991,24 @@ def bounds(args, ceil: dict) -> list[dict]:
 
 
 # ---- CPU correctness ------------------------------------------------------------------------------------------
-def oracle_propose(trajectories, depth: int, noise: float, seed: int = 0):
-    """Draft logits that rank the AR continuation first, except at a `noise` share of depths: accept paths > 1."""
-    traj = jnp.asarray(trajectories)
+@dataclasses.dataclass(frozen=True, eq=False)
+class OracleDraft:
+    """An engine Drafter ranking the AR continuation first, except at a `noise` share of depths: accept paths > 1.
+    trajectories [C, width]: prompt + AR tokens per sequence (hashed by identity: a static jit argument)."""
 
-    def propose(params, dparams, state):
-        C, V = traj.shape[0], params["lm_head"].shape[1]
+    trajectories: np.ndarray
+    noise: float
+    seed: int = 0
+
+    def propose(self, params, dparams, state, *, cfg, dcfg, sc):
+        traj = jnp.asarray(self.trajectories)
+        C, V, depth = traj.shape[0], params["lm_head"].shape[1], sc.depth
         idx = jnp.minimum(state.cache.lengths[:, None] + 1 + jnp.arange(depth)[None], traj.shape[1] - 1)
         true = jnp.take_along_axis(traj, idx, axis=1)  # [C, depth]
-        k_noise, k_drop = jax.random.split(jax.random.fold_in(jax.random.key(seed), state.step))
-        boost = jnp.where(jax.random.uniform(k_drop, true.shape) < noise, 0.0, 8.0)
+        k_noise, k_drop = jax.random.split(jax.random.fold_in(jax.random.key(self.seed), state.step))
+        boost = jnp.where(jax.random.uniform(k_drop, true.shape) < self.noise, 0.0, 8.0)
         logits = jax.random.normal(k_noise, (C, depth, V))
         return logits.at[jnp.arange(C)[:, None], jnp.arange(depth)[None], true].add(boost)
-
-    return propose
 
 
 def greedy_agreement(model, prompts, max_new: int, methods_budgets, drafters=("dflash", "oracle")) -> list[dict]:
@@ -1064,11 +1025,12 @@ def greedy_agreement(model, prompts, max_new: int, methods_budgets, drafters=("d
     traj = np.zeros((len(prompts), width), np.int32)
     for i, (p, t) in enumerate(zip(prompts, ar)):
         traj[i, : len(p) + len(t)] = p + t
-    proposers = {"dflash": None, "oracle": oracle_propose(traj, model.drafter_cfg.block_size - 1, noise=0.3)}
+    drafter_of = {"dflash": None, "oracle": OracleDraft(traj, noise=0.3)}
     rows = []
     for (method, budget), drafter in itertools.product(methods_budgets, drafters):
-        propose = proposers[drafter]
-        res = generate(model, prompts, max_new_tokens=max_new, method=method, budget=budget, propose=propose)
+        res = generate(
+            model, prompts, max_new_tokens=max_new, method=method, budget=budget, drafter=drafter_of[drafter]
+        )
         same = [a[:k] == b[:k] for a, b, k in zip(ar, res.tokens, safe)]
         rows.append(
             {
@@ -1138,7 +1100,7 @@ CPU_MESH8_DEFAULTS = dict(
     half_at=[2],
     deadline_s=1e9,
     repeats=2,
-    rep_seconds=0.05,
+    steps=3,
 )
 
 
@@ -1158,7 +1120,7 @@ def parse_args(argv=None):
     ap.add_argument("--expert-mode", default="ep", choices=sharding.EXPERT_MODES)
     ap.add_argument("--headroom-gb", type=float, default=17.0, help="device memory kept beyond the parameters")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--rep-seconds", type=float, default=0.25)
+    ap.add_argument("--steps", type=int, default=10, help=f"steps a timed call runs (at most {STEPS_CAP})")
     ap.add_argument("--deadline-s", type=float, default=440.0, help="stop measuring this long after start")
     ap.add_argument("--half-reserve-s", type=float, default=45.0, help="time kept for the N/2 rows")
     ap.add_argument("--compile-workers", type=int, default=10)
@@ -1188,6 +1150,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if not 1 <= args.tau <= 8 or (args.tau_chain is not None and not 1 <= args.tau_chain <= 8):
         ap.error("--tau/--tau-chain: an accept length must lie in [1, block_size] = [1, 8]")
+    if not 1 <= args.steps <= STEPS_CAP:
+        ap.error(f"--steps must lie in [1, {STEPS_CAP}] (the caches have room for that many commits)")
     if args.cpu_mesh8:
         for name, value in CPU_MESH8_DEFAULTS.items():
             if getattr(args, name) == ap.get_default(name):
