@@ -10,8 +10,8 @@ import argparse
 import sys
 
 from convert.converter import Options, convert
-from convert.hf_layout import CheckpointError
 from k26jax.config import ConfigError
+from k26jax.hf import CheckpointError
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,7 @@
 """HF K2 / K2.5 / K2.6 (+ a z-lab DFlash drafter) -> a k26jax orbax checkpoint, one layer at a time.
 
 Streaming: the work is a list of steps ("top": final norm, embed and lm_head in row blocks; "layer i"; "drafter").
-A step reads its tensors one by one (hf_layout), assembles one leaf slice at a time and writes it into the stacked
+A step reads its tensors one by one (k26jax.hf), assembles one leaf slice at a time and writes it into the stacked
 zarr array at [layer index] (zarr_tree), so peak host memory is about one leaf of one layer plus the mapped source
 pages it came from. Every leaf receives its slices in C order (layer after layer, row block after row block), so
 its sha256 is computed while it is written, on the second core, as tensorstore writes.
@@ -33,12 +33,13 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from convert import hf_layout
-from convert.hf_layout import HFCheckpoint
 from convert.zarr_tree import ZarrTree
-from k26jax import checkpoint, sharding
+from k26jax import checkpoint, hf, sharding
 from k26jax.checkpoint import COMPLETE_FILE, DRAFTER_DIR, FORMAT, MANIFEST_FILE, PARAMS_DIR, flatten_tree
 from k26jax.config import DrafterConfig, ModelConfig
+from k26jax.hf import HFCheckpoint
+from k26jax.model import params as param_table
+from k26jax.model.drafter import abstract_params, drafter_partition_specs
 
 STAGING_SUFFIX = ".partial"
 PLAN_FILE, JOURNAL_FILE = "plan.json", "journal.jsonl"
@@ -89,7 +90,7 @@ def _row_bytes(leaf: dict) -> int:
 
 
 def _np_dtype(name: str) -> np.dtype:
-    return hf_layout.BF16 if name == "bfloat16" else np.dtype(name)
+    return hf.BF16 if name == "bfloat16" else np.dtype(name)
 
 
 # ---- planning ----------------------------------------------------------------------------------------------
@@ -106,6 +107,12 @@ def _chunks(shape, dtype, spec: PartitionSpec, mesh: AbstractMesh, stacked: bool
             d for d in range(1, chunks[0] + 1) if chunks[0] % d == 0 and (d * row_bytes <= TOP_CHUNK_BYTES or d == 1)
         )
     return chunks
+
+
+def _stacked(table: dict) -> Callable[[str], bool]:
+    """Whether a flat leaf name belongs to a layer stack of the table."""
+    stacks = tuple(key + "." for key, node in table.items() if isinstance(node, param_table.Stack))
+    return lambda name: name.startswith(stacks)
 
 
 def _leaves(shapes: dict, specs: dict, mesh: AbstractMesh, stacked: Callable[[str], bool]) -> dict[str, dict]:
@@ -131,30 +138,29 @@ def _read_json(path: str) -> dict | None:
 
 def _target_job(opts: Options, mesh: AbstractMesh) -> tuple[_Job, ModelConfig, HFCheckpoint]:
     cfg = ModelConfig.from_hf_dir(opts.hf_dir)
-    hf = HFCheckpoint(opts.hf_dir)
-    hf_layout.validate(hf, cfg)
-    hf.release()
-    shapes = hf_layout.param_shapes(cfg, opts.dtype)
+    source = HFCheckpoint(opts.hf_dir)
+    hf.validate(source, cfg)
+    source.release()
+    shapes = hf.param_shapes(cfg, opts.dtype)
     specs = sharding.param_partition_specs(cfg, opts.expert_mode)
-    leaves = _leaves(shapes, specs, mesh, stacked=lambda name: name.split(".")[0] in ("dense", "moe"))
-    top = [name for name in leaves if "." not in name]
-    embed_rows, head_rows = leaves["embed"]["chunks"][0], leaves["lm_head"]["chunks"][0]
+    leaves = _leaves(shapes, specs, mesh, _stacked(param_table.target_table(cfg)))
+    top = {name: leaves[name]["chunks"][0] for name in leaves if "." not in name}  # rows per block
     steps = [
         _Step(
             "top",
             {name: (0, leaves[name]["shape"][0]) for name in top},
-            lambda: hf_layout.top_pieces(hf, cfg, opts.dtype, embed_rows, head_rows),
+            lambda: hf.top_pieces(source, cfg, opts.dtype, top),
         )
     ]
     for layer in range(cfg.num_hidden_layers):
-        kind, i = hf_layout.kind_index(cfg, layer)
+        kind, i = hf.kind_index(cfg, layer)
         rows = {name: (i, i + 1) for name in leaves if name.startswith(kind + ".")}
         steps.append(
             _Step(
                 f"layer {layer}",
                 rows,
                 lambda layer=layer, kind=kind, i=i: (
-                    ((kind, *path), (i,), arr) for path, arr in hf_layout.layer_pieces(hf, cfg, layer, opts.dtype)
+                    ((kind, *path), (i,), arr) for path, arr in hf.layer_pieces(source, cfg, layer, opts.dtype)
                 ),
                 source_prefix=f"model.layers.{layer}.",
             )
@@ -167,23 +173,20 @@ def _target_job(opts: Options, mesh: AbstractMesh) -> tuple[_Job, ModelConfig, H
         leaves,
         steps,
     )
-    return job, cfg, hf
+    return job, cfg, source
 
 
 def _drafter_job(opts: Options, target: ModelConfig, mesh: AbstractMesh) -> _Job:
-    from convert import dflash_layout
-    from k26jax.model.drafter import abstract_params, drafter_partition_specs
-
     dcfg = DrafterConfig.from_hf_dir(opts.drafter_dir)
     dcfg.check_target(target)
     abstract = abstract_params(dcfg, jax.numpy.float32 if opts.dtype == "float32" else jax.numpy.bfloat16)
     shapes = jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
     specs = drafter_partition_specs(dcfg, mesh.shape[sharding.MODEL])
-    leaves = _leaves(shapes, specs, mesh, stacked=lambda name: name.startswith("layers."))
-    dtype = hf_layout.DTYPES[opts.dtype]
+    leaves = _leaves(shapes, specs, mesh, _stacked(param_table.drafter_table(dcfg)))
+    dtype = hf.DTYPES[opts.dtype]
 
     def pieces():
-        params = flatten_tree(dflash_layout.read_drafter_params(opts.drafter_dir, dcfg))
+        params = flatten_tree(hf.read_drafter_params(opts.drafter_dir, dcfg))
         for name in leaves:
             yield tuple(name.split(".")), (), np.asarray(params.pop(name)).astype(dtype)
 
@@ -198,15 +201,16 @@ def _file_sha256(path: str) -> str | None:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def _plan(opts: Options, hf: HFCheckpoint) -> dict:
+def _plan(opts: Options, source: HFCheckpoint) -> dict:
     """What a resumed run must agree on: the source files and the options."""
     return {
         "format": FORMAT,
         "hf_dir": os.path.abspath(opts.hf_dir),
         "config_sha256": _file_sha256(os.path.join(opts.hf_dir, "config.json")),
-        "index_sha256": _file_sha256(os.path.join(opts.hf_dir, hf_layout.INDEX_FILE)),
+        "index_sha256": _file_sha256(os.path.join(opts.hf_dir, hf.INDEX_FILE)),
         "shard_bytes": {
-            f: os.path.getsize(os.path.join(opts.hf_dir, f)) for f in sorted({e["file"] for e in hf.entries.values()})
+            f: os.path.getsize(os.path.join(opts.hf_dir, f))
+            for f in sorted({e["file"] for e in source.entries.values()})
         },
         "drafter_dir": opts.drafter_dir and os.path.abspath(opts.drafter_dir),
         "drafter_config_sha256": opts.drafter_dir and _file_sha256(os.path.join(opts.drafter_dir, "config.json")),
@@ -269,20 +273,20 @@ def convert(opts: Options, log: Callable[[str], None] = print) -> dict:
     """Runs the conversion (or only its validation with dry_run); returns a summary dict."""
     if opts.expert_mode not in sharding.EXPERT_MODES:
         raise ValueError(f"--expert-sharding {opts.expert_mode!r}: use one of {sharding.EXPERT_MODES}")
-    if opts.dtype not in hf_layout.DTYPES:
-        raise ValueError(f"--dtype {opts.dtype!r}: use one of {tuple(hf_layout.DTYPES)}")
+    if opts.dtype not in hf.DTYPES:
+        raise ValueError(f"--dtype {opts.dtype!r}: use one of {tuple(hf.DTYPES)}")
     if opts.mesh < 1:
         raise ValueError(f"--mesh {opts.mesh}: must be >= 1")
     out_abs, hf_abs = os.path.abspath(opts.out), os.path.abspath(opts.hf_dir)
     if out_abs == hf_abs or out_abs.startswith(hf_abs + os.sep) or hf_abs.startswith(out_abs + os.sep):
         raise ValueError(f"--out {opts.out}: must not be, contain or lie inside --hf {opts.hf_dir}")
     mesh = AbstractMesh((1, opts.mesh), (sharding.DATA, sharding.MODEL))
-    target, cfg, hf = _target_job(opts, mesh)
+    target, cfg, source = _target_job(opts, mesh)
     jobs = [target] + ([_drafter_job(opts, cfg, mesh)] if opts.drafter_dir else [])
     total = sum(job.step_bytes(step) for job in jobs for step in job.steps)
     summary = {
         "total_bytes": total,
-        "skipped": hf.skipped_summary() or "nothing",
+        "skipped": source.skipped_summary() or "nothing",
         "leaves": sum(len(job.leaves) for job in jobs),
         "steps": sum(len(job.steps) for job in jobs),
     }
@@ -299,7 +303,7 @@ def convert(opts: Options, log: Callable[[str], None] = print) -> dict:
         checkpoint.read_manifest(opts.out)  # raises unless complete
         log(f"{opts.out} is already complete; nothing to resume")
         return summary
-    staging, done = _prepare_staging(opts, _plan(opts, hf))
+    staging, done = _prepare_staging(opts, _plan(opts, source))
     for name in COPIED_FILES:
         if os.path.isfile(os.path.join(opts.hf_dir, name)):
             shutil.copyfile(os.path.join(opts.hf_dir, name), os.path.join(staging, name))
@@ -312,9 +316,9 @@ def convert(opts: Options, log: Callable[[str], None] = print) -> dict:
             f"checksums"
         )
         _rehash(jobs, trees, hashers, set(done), opts.progress)
-    _write_steps(jobs, trees, hashers, staging, set(done), total, hf, opts.progress)
+    _write_steps(jobs, trees, hashers, staging, set(done), total, source, opts.progress)
     for job, tree, hasher in reversed(list(zip(jobs, trees, hashers))):  # the target's COMPLETE last
-        _finish(job, tree, hasher, os.path.join(staging, job.subdir), opts, hf)
+        _finish(job, tree, hasher, os.path.join(staging, job.subdir), opts, source)
     summary["write_s"] = time.perf_counter() - start
     if os.path.exists(opts.out):  # --overwrite: swap in the new checkpoint, then drop the old one
         old = f"{opts.out}.old-{os.getpid()}"
@@ -342,7 +346,7 @@ def _rehash(jobs, trees, hashers, done: set[str], progress: bool) -> None:
                             bar.update(block.nbytes)
 
 
-def _write_steps(jobs, trees, hashers, staging, done: set[str], total: int, hf, progress: bool) -> None:
+def _write_steps(jobs, trees, hashers, staging, done: set[str], total: int, source, progress: bool) -> None:
     from tqdm import tqdm
 
     kill_after = int(os.environ.get(KILL_HOOK, "0"))
@@ -365,7 +369,7 @@ def _write_steps(jobs, trees, hashers, staging, done: set[str], total: int, hf, 
                     continue
                 bar.set_postfix_str(key, refresh=False)
                 if k + 1 < len(job.steps) and job.steps[k + 1].source_prefix:
-                    hf.prefetch(job.steps[k + 1].source_prefix)
+                    source.prefetch(job.steps[k + 1].source_prefix)
                 for path, index, arr in step.pieces():
                     name, arr = ".".join(path), np.ascontiguousarray(arr)
                     pending = tree.write(name, index, arr)
@@ -373,14 +377,14 @@ def _write_steps(jobs, trees, hashers, staging, done: set[str], total: int, hf, 
                     pending.result()
                     bar.update(arr.nbytes)
                     del arr
-                    hf.release()
+                    source.release()
                     written += 1
                     if kill_after and written >= kill_after:
                         os.kill(os.getpid(), signal.SIGKILL)
                 _log_step(staging, key)
 
 
-def _finish(job: _Job, tree: ZarrTree, hasher: dict, job_dir: str, opts: Options, hf: HFCheckpoint) -> None:
+def _finish(job: _Job, tree: ZarrTree, hasher: dict, job_dir: str, opts: Options, source: HFCheckpoint) -> None:
     """orbax metadata, manifest, then the COMPLETE marker."""
     tree.write_orbax_metadata()
     manifest = {
@@ -392,7 +396,9 @@ def _finish(job: _Job, tree: ZarrTree, hasher: dict, job_dir: str, opts: Options
         "expert_mode": opts.expert_mode,
         "mesh": opts.mesh,
         "source": os.path.abspath(opts.hf_dir if job.kind == "target" else opts.drafter_dir),
-        "skipped": {g: {"tensors": n, "bytes": b} for g, (n, b) in hf.skipped.items()} if job.kind == "target" else {},
+        "skipped": {g: {"tensors": n, "bytes": b} for g, (n, b) in source.skipped.items()}
+        if job.kind == "target"
+        else {},
         "leaves": {name: dict(leaf, sha256=hasher[name].hexdigest()) for name, leaf in job.leaves.items()},
     }
     raw = json.dumps(manifest, indent=1).encode()

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
 import os
 import re
 from collections import Counter
 
 import numpy as np
-from safetensors.numpy import save_file
 
-from convert.hf_layout import BF16, GROUP, INDEX_FILE, PACK, WRAPPER_PREFIX
-from k26jax.config import QUANT_CONFIG, ModelConfig, preset_text_config
+from k26jax import hf
+from k26jax.config import DrafterConfig, ModelConfig, preset_text_config
+from k26jax.model import drafter
+from k26jax.model.params import GROUP
 
 K2_VOCAB = 163840
 K2_SPECIAL_TOKENS = {  # K2 / K2.5 ids; the tiny vocab keeps each one's offset from the top
@@ -170,32 +170,17 @@ def write_tokenizer(out: str, vocab_size: int) -> None:
         "tokenizer_class": "TikTokenTokenizer",
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
     }
-    _dump_json(os.path.join(out, "tokenizer_config.json"), config)
+    hf.dump_json(os.path.join(out, "tokenizer_config.json"), config)
 
 
 # ---- weights ------------------------------------------------------------------------------------------------
-def pack_int4(q: np.ndarray) -> np.ndarray:
-    """int values [out, in] in [-8, 7] -> int32 words [out, in/8], compressed-tensors pack-quantized:
-    offset-binary nibbles (q + 8), input column 8j+k in nibble k of word j (LSB first)."""
-    q = np.asarray(q)
-    if q.ndim != 2 or q.shape[1] % PACK:
-        raise ValueError(f"q must be [out, in] with in a multiple of {PACK}, got shape {q.shape}")
-    if q.size and (q.min() < -8 or q.max() > 7):
-        raise ValueError(f"q values must lie in [-8, 7], got [{q.min()}, {q.max()}]")
-    nibbles = (q.astype(np.int64) + 8).astype(np.uint32).reshape(q.shape[0], -1, PACK)
-    words = np.zeros(nibbles.shape[:2], np.uint32)
-    for k in range(PACK):
-        words |= nibbles[:, :, k] << np.uint32(4 * k)
-    return words.view(np.int32)
-
-
 class _Weights:
     """Deterministic random tensors, generated one at a time in checkpoint order."""
 
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
 
-    def normal(self, shape, std, mean=0.0, dtype=BF16):
+    def normal(self, shape, std, mean=0.0, dtype=hf.BF16):
         out = np.empty(shape, dtype)
         flat, rows = out.reshape(-1, shape[-1]), max(1, (1 << 24) // shape[-1])
         for start in range(0, flat.shape[0], rows):
@@ -203,54 +188,31 @@ class _Weights:
             flat[start : start + rows] = block * np.float32(std) + np.float32(mean)
         return out
 
-    def linear(self, out_dim, in_dim):
-        return self.normal((out_dim, in_dim), in_dim**-0.5)
-
     def int4_linear(self, out_dim, in_dim):
         """(packed, scale, shape): uniform q in [-8, 7], scales so the weight std is about 1/sqrt(in)."""
         q = self.rng.integers(-8, 8, (out_dim, in_dim), np.int8)
-        scale = (self.rng.uniform(0.5, 1.5, (out_dim, in_dim // GROUP)) / (4.6 * in_dim**0.5)).astype(BF16)
-        return pack_int4(q), scale, np.array([out_dim, in_dim], np.int32)
+        scale = (self.rng.uniform(0.5, 1.5, (out_dim, in_dim // GROUP)) / (4.6 * in_dim**0.5)).astype(hf.BF16)
+        return hf.pack_int4(q), scale, np.array([out_dim, in_dim], np.int32)
 
 
-def _layer_tensors(w: _Weights, cfg: ModelConfig, layer: int):
-    """Yields (name without the `language_model.` prefix, array) for one decoder layer, in HF order."""
-    D, H = cfg.hidden_size, cfg.num_attention_heads
-    p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
-    yield p + "input_layernorm.weight", w.normal((D,), 0.1, 1.0)
-    if cfg.q_lora_rank is None:
-        yield a + "q_proj.weight", w.linear(H * cfg.qk_head_dim, D)
-    else:
-        yield a + "q_a_proj.weight", w.linear(cfg.q_lora_rank, D)
-        yield a + "q_a_layernorm.weight", w.normal((cfg.q_lora_rank,), 0.1, 1.0)
-        yield a + "q_b_proj.weight", w.linear(H * cfg.qk_head_dim, cfg.q_lora_rank)
-    yield a + "kv_a_proj_with_mqa.weight", w.linear(cfg.kv_lora_rank + cfg.qk_rope_head_dim, D)
-    yield a + "kv_a_layernorm.weight", w.normal((cfg.kv_lora_rank,), 0.1, 1.0)
-    yield a + "kv_b_proj.weight", w.linear(H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-    yield a + "o_proj.weight", w.linear(D, H * cfg.v_head_dim)
-    yield p + "post_attention_layernorm.weight", w.normal((D,), 0.1, 1.0)
-    m = p + "mlp."
-    if not cfg.is_moe_layer(layer):
-        yield from _swiglu(w, m, D, cfg.intermediate_size)
-        return
-    E, Im = cfg.n_routed_experts, cfg.moe_intermediate_size
-    yield m + "gate.weight", w.linear(E, D)
-    yield m + "gate.e_score_correction_bias", w.normal((E,), 0.1, dtype=np.float32)
-    if cfg.n_shared_experts:
-        yield from _swiglu(w, m + "shared_experts.", D, Im * cfg.n_shared_experts)
-    for e in range(E):
-        for proj, out_dim, in_dim in (("gate_proj", Im, D), ("up_proj", Im, D), ("down_proj", D, Im)):
-            packed, scale, shape = w.int4_linear(out_dim, in_dim)
-            name = f"{m}experts.{e}.{proj}."
-            yield name + "weight_packed", packed
-            yield name + "weight_scale", scale
-            yield name + "weight_shape", shape
-
-
-def _swiglu(w: _Weights, prefix, D, I):
-    yield prefix + "gate_proj.weight", w.linear(I, D)
-    yield prefix + "up_proj.weight", w.linear(I, D)
-    yield prefix + "down_proj.weight", w.linear(D, I)
+def _text_tensors(w: _Weights, cfg: ModelConfig):
+    """Yields (name without the `language_model.` prefix, array) for the text model's tensors (k26jax.hf's
+    target_modules, in checkpoint order): routed experts INT4; embedding and lm_head std 4/sqrt(D), other linears
+    1/sqrt(in); norm weights 1 + N(0, 0.1^2); the fp32 router bias N(0, 0.1^2)."""
+    D = cfg.hidden_size
+    for m in hf.target_modules(cfg):
+        if m.kind == "int4":
+            packed, scale, shape = w.int4_linear(*m.shape)
+            yield m.name + ".weight_packed", packed
+            yield m.name + ".weight_scale", scale
+            yield m.name + ".weight_shape", shape
+        elif len(m.shape) == 2:
+            std = 4 * D**-0.5 if m.layer is None else m.shape[1] ** -0.5
+            yield m.name + (".weight" if m.kind == "linear" else ""), w.normal(m.shape, std)
+        elif m.dtype == "float32":
+            yield m.name, w.normal(m.shape, 0.1, dtype=np.float32)
+        else:
+            yield m.name, w.normal(m.shape, 0.1, 1.0)
 
 
 def _vision_tensors(w: _Weights, text_hidden: int):
@@ -268,114 +230,27 @@ def _vision_tensors(w: _Weights, text_hidden: int):
 
 
 def _all_tensors(w: _Weights, cfg: ModelConfig):
-    D, V = cfg.hidden_size, cfg.vocab_size
-    yield WRAPPER_PREFIX + "model.embed_tokens.weight", w.normal((V, D), 4 * D**-0.5)
-    for layer in range(cfg.num_hidden_layers):
-        for name, arr in _layer_tensors(w, cfg, layer):
-            yield WRAPPER_PREFIX + name, arr
-    yield WRAPPER_PREFIX + "model.norm.weight", w.normal((D,), 0.1, 1.0)
-    yield WRAPPER_PREFIX + "lm_head.weight", w.normal((V, D), 4 * D**-0.5)
-    yield from _vision_tensors(w, D)
+    for name, arr in _text_tensors(w, cfg):
+        yield hf.WRAPPER_PREFIX + name, arr
+    yield from _vision_tensors(w, cfg.hidden_size)
 
 
 def write_weights(out: str, cfg: ModelConfig, seed: int, shard_bytes: int) -> list[str]:
-    """Writes the shards and the index, holding one shard in memory; returns the shard file names."""
+    """Writes the shards and the index, holding one shard in memory; returns the shard file names. The first MoE
+    layer's expert 0 straddles two shards."""
     first_moe = cfg.layer_kinds.index("moe") if "moe" in cfg.layer_kinds else None
     split_after = (
-        f"{WRAPPER_PREFIX}model.layers.{first_moe}.mlp.experts.0.up_proj.weight_shape"
+        f"{hf.WRAPPER_PREFIX}model.layers.{first_moe}.mlp.experts.0.up_proj.weight_shape"
         if first_moe is not None
         else None
     )
-    current: dict[str, np.ndarray] = {}
-    size = 0
-    weight_map, tmp_names = {}, []
-
-    def flush():
-        nonlocal current, size
-        name = f"shard-{len(tmp_names)}.tmp"
-        save_file(current, os.path.join(out, name), metadata={"format": "pt"})
-        tmp_names.append((name, list(current)))
-        current, size = {}, 0
-
-    for name, arr in _all_tensors(_Weights(seed), cfg):
-        if current and size + arr.nbytes > shard_bytes:
-            flush()
-        current[name] = arr
-        size += arr.nbytes
-        if name == split_after:
-            flush()
-    if current:
-        flush()
-    total, files = 0, []
-    for i, (tmp, names) in enumerate(tmp_names):
-        final = f"model-{i + 1:05d}-of-{len(tmp_names):06d}.safetensors"  # K2.5's six-digit total
-        os.replace(os.path.join(out, tmp), os.path.join(out, final))
-        files.append(final)
-        weight_map.update({n: final for n in names})
-    for final in files:
-        total += os.path.getsize(os.path.join(out, final))
-    _dump_json(os.path.join(out, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return files
+    return hf.write_shards(out, _all_tensors(_Weights(seed), cfg), shard_bytes, split_after)
 
 
 # ---- configs ------------------------------------------------------------------------------------------------
 def hf_config(text: dict) -> dict:
     """The kimi_k25 wrapper config.json around a text config dict."""
-    V = text["vocab_size"]
-    text = {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "auto_map": {
-            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
-            "AutoModel": "modeling_deepseek.DeepseekV3Model",
-            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
-        },
-        **text,
-        "aux_loss_alpha": 0.001,
-        "ep_size": 1,
-        "num_nextn_predict_layers": 0,
-        "seq_aux": True,
-        "initializer_range": 0.02,
-        "attention_dropout": 0.0,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
-        "quantization_config": QUANT_CONFIG,
-    }
-    return {
-        "architectures": ["KimiK25ForConditionalGeneration"],
-        "auto_map": {
-            "AutoConfig": "configuration_kimi_k25.KimiK25Config",
-            "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
-            "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
-        },
-        "model_type": "kimi_k25",
-        "bos_token_id": text["bos_token_id"],
-        "eos_token_id": text["eos_token_id"],
-        "pad_token_id": text["pad_token_id"],
-        "media_placeholder_token_id": MEDIA_PLACEHOLDER - K2_VOCAB + V,
-        "use_unified_vision_chunk": True,
-        "video_placeholder": "<|kimi_k25_video_placeholder|>",
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "text_config": text,
-        "vision_config": {
-            "patch_size": 14,
-            "init_pos_emb_height": 64,
-            "init_pos_emb_width": 64,
-            "init_pos_emb_time": 4,
-            "pos_emb_type": "divided_fixed",
-            "vt_num_attention_heads": 2,
-            "vt_num_hidden_layers": 1,
-            "vt_hidden_size": 32,
-            "vt_intermediate_size": 64,
-            "merge_kernel_size": [2, 2],
-            "merge_type": "sd2_tpool",
-            "mm_projector_type": "patchmerger",
-            "mm_hidden_size": 128,
-            "projector_hidden_act": "gelu",
-            "projector_ln_eps": 1e-5,
-            "text_hidden_size": text["hidden_size"],
-        },
-    }
+    return hf.wrapper_config(text, MEDIA_PLACEHOLDER - K2_VOCAB + text["vocab_size"])
 
 
 def tiny_text_config(preset: str, experts: int | None = None, overrides: dict | None = None) -> dict:
@@ -407,9 +282,9 @@ def make_tiny(
     os.makedirs(out, exist_ok=True)
     text = tiny_text_config(preset, experts, overrides)
     config = hf_config(text)
-    _dump_json(os.path.join(out, "config.json"), config)
+    hf.dump_json(os.path.join(out, "config.json"), config)
     V = text["vocab_size"]
-    _dump_json(
+    hf.dump_json(
         os.path.join(out, "generation_config.json"),
         {"bos_token_id": V - 256, "eos_token_id": V - 254, "pad_token_id": V - 1, "do_sample": False},
     )
@@ -423,10 +298,6 @@ def make_tiny(
 
 def write_drafter(out: str, target_text: dict, seed: int) -> None:
     """A DFlash drafter for the target: hidden = target hidden, 2 layers, block 8, target layers [1, 2], mask V-2."""
-    from convert import dflash_layout
-    from k26jax.config import DrafterConfig
-    from k26jax.model import drafter
-
     V = target_text["vocab_size"]
     dcfg = DrafterConfig.from_dict(
         {
@@ -451,13 +322,7 @@ def write_drafter(out: str, target_text: dict, seed: int) -> None:
             "dflash_config": {"mask_token_id": V - 2, "target_layer_ids": [1, 2]},
         }
     )
-    dflash_layout.save_drafter_hf(out, dcfg, drafter.init_params(dcfg, seed), dtype="bfloat16")
-
-
-def _dump_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
+    hf.write_drafter(out, dcfg, drafter.init_params(dcfg, seed), dtype="bfloat16")
 
 
 def main(argv=None) -> None:

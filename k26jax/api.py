@@ -112,10 +112,10 @@ def load(
         raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
     impls = impls or ops.Impls.auto(mesh, expert_mode)
     if _is_hf_dir(path):
-        from convert import hf_layout
+        from k26jax import hf
 
         cfg = ModelConfig.from_hf_dir(path)
-        params = place(hf_layout.read_hf_params(path, cfg, dtype=dtype), cfg, mesh, expert_mode)
+        params = place(hf.read_target(path, cfg, dtype=dtype), cfg, mesh, expert_mode)
     else:  # a converted checkpoint; restore refuses one without its COMPLETE marker
         from k26jax import checkpoint
 
@@ -142,9 +142,9 @@ def _attach_drafter(model: Model, drafter_dir: str, dtype: str) -> None:
     from k26jax.model import drafter as drafter_lib
 
     if _is_hf_dir(drafter_dir):
-        from convert import dflash_layout
+        from k26jax import hf
 
-        dcfg, dparams = dflash_layout.load_drafter_hf(drafter_dir)
+        dcfg, dparams = hf.read_drafter(drafter_dir)
     else:
         from k26jax import checkpoint
 

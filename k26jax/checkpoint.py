@@ -26,11 +26,12 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from k26jax import sharding
 from k26jax.config import DrafterConfig, ModelConfig
+from k26jax.model import params as param_table
+from k26jax.model.params import drafter_table, target_table
 
 FORMAT = "k26jax-orbax-1"
 PARAMS_DIR, MANIFEST_FILE, COMPLETE_FILE = "params", "manifest.json", "COMPLETE"
 DRAFTER_DIR = "drafter"
-FIXED_DTYPE_LEAVES = ("w13_scale", "w2_scale", "router_bias")  # never cast by `dtype` (bf16 scales, fp32 bias)
 DTYPES = {"bfloat16": jax.numpy.bfloat16, "float32": np.float32}
 
 
@@ -59,13 +60,15 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return json.loads(raw)
 
 
-def _restore_tree(path: str, manifest: dict, shardings: dict, dtype: str | None) -> dict:
-    """Restores manifest['leaves'] (flat "a.b.c" names) into a nested dict of jax arrays."""
+def _restore_tree(path: str, manifest: dict, shardings: dict, dtype: str | None, table: dict) -> dict:
+    """Restores manifest['leaves'] (flat "a.b.c" names) into a nested dict of jax arrays; float leaves are cast to
+    `dtype` except those of a fixed dtype in the parameter table (bf16 expert scales, the fp32 router bias)."""
+    fixed = {".".join(path) for path in param_table.fixed_dtype_leaves(table)}
     abstract, args = {}, {}
     for name, leaf in manifest["leaves"].items():
         keys = name.split(".")
         stored = np.dtype(leaf["dtype"]) if leaf["dtype"] != "bfloat16" else np.dtype(jax.numpy.bfloat16)
-        castable = jax.numpy.issubdtype(stored, jax.numpy.floating) and keys[-1] not in FIXED_DTYPE_LEAVES
+        castable = jax.numpy.issubdtype(stored, jax.numpy.floating) and name not in fixed
         want = np.dtype(DTYPES[dtype]) if dtype is not None and castable else stored
         sh = shardings[name]
         _set(abstract, keys, jax.ShapeDtypeStruct(tuple(leaf["shape"]), want, sharding=sh))
@@ -142,7 +145,7 @@ def restore(
         diff = [f.name for f in dataclasses.fields(stored) if getattr(cfg, f.name) != getattr(stored, f.name)]
         raise ValueError(f"{path}: cfg differs from the checkpoint's config in {diff}")
     specs = sharding.param_partition_specs(stored, expert_mode)
-    return stored, _restore_tree(path, manifest, _shardings(manifest, specs, mesh), dtype)
+    return stored, _restore_tree(path, manifest, _shardings(manifest, specs, mesh), dtype, target_table(stored))
 
 
 def restore_drafter(
@@ -157,4 +160,4 @@ def restore_drafter(
         raise ValueError(f"{path}: holds a {manifest.get('kind')!r} checkpoint, not a DFlash drafter")
     dcfg = DrafterConfig.from_dict(manifest["hf_config"], source=f"{path}/{MANIFEST_FILE}: hf_config")
     specs = drafter_partition_specs(dcfg, mesh.shape[sharding.MODEL] if mesh is not None else 1)
-    return dcfg, _restore_tree(path, manifest, _shardings(manifest, specs, mesh), dtype)
+    return dcfg, _restore_tree(path, manifest, _shardings(manifest, specs, mesh), dtype, drafter_table(dcfg))

@@ -13,9 +13,10 @@ import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from convert import converter, hf_layout, make_tiny
+from convert import converter, make_tiny
 from convert.__main__ import main as convert_main
 from k26jax import checkpoint, sharding
+from k26jax import hf as hf_layout
 from k26jax.config import ConfigError, ModelConfig
 from pallas_kernels.int4_moe_gemm import dequantize_int4, unpack_int4
 
@@ -51,7 +52,7 @@ def converted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_tree():
-    return hf_layout.read_hf_params(TINY, ModelConfig.from_hf_dir(TINY))
+    return hf_layout.read_target(TINY, ModelConfig.from_hf_dir(TINY))
 
 
 def test_round_trip_equals_hf(converted, hf_tree):
@@ -80,9 +81,7 @@ def test_orbax_reads_it_with_its_own_api(converted, hf_tree):
 
 
 def test_drafter_round_trip(converted):
-    from convert import dflash_layout
-
-    dcfg, want = dflash_layout.load_drafter_hf(os.path.join(TINY, "drafter"))
+    dcfg, want = hf_layout.read_drafter(os.path.join(TINY, "drafter"))
     got_cfg, got = checkpoint.restore_drafter(os.path.join(converted, "drafter"))
     assert got_cfg == dcfg
     _assert_trees_equal(got, want)
@@ -91,7 +90,7 @@ def test_drafter_round_trip(converted):
 def test_float32_conversion(tmp_path):
     _convert(tmp_path / "f32", dtype="float32")
     cfg, params = checkpoint.restore(tmp_path / "f32", dtype=None)
-    _assert_trees_equal(params, hf_layout.read_hf_params(TINY, cfg, dtype="float32"))
+    _assert_trees_equal(params, hf_layout.read_target(TINY, cfg, dtype="float32"))
     assert params["moe"]["mlp"]["w13_scale"].dtype == jax.numpy.bfloat16
     assert params["moe"]["mlp"]["router_bias"].dtype == np.float32
 
@@ -138,7 +137,7 @@ def _hf_with_int4_fixture(tmp_path):
     prefix = "language_model.model.layers.1.mlp.experts.0."
     new = {prefix + f"{p}_proj.weight_packed": fx["packed"] for p in ("gate", "up")}
     new.update({prefix + f"{p}_proj.weight_scale": fx["scale"].astype(hf_layout.BF16) for p in ("gate", "up")})
-    new[prefix + "down_proj.weight_packed"] = make_tiny.pack_int4(fx["q_int"].T)
+    new[prefix + "down_proj.weight_packed"] = hf_layout.pack_int4(fx["q_int"].T)
     shared = "language_model.model.layers.1.mlp.shared_experts.gate_proj."  # a packed linear outside the experts
     removed = {
         shared + "weight": {
@@ -173,7 +172,7 @@ def test_int4_relayout_matches_compressed_tensors(tmp_path):
     hf_dir, fx = _hf_with_int4_fixture(tmp_path)
     _convert(tmp_path / "o", hf=hf_dir)
     _, restored = checkpoint.restore(tmp_path / "o")
-    for params in (hf_layout.read_hf_params(hf_dir, ModelConfig.from_hf_dir(hf_dir)), restored):
+    for params in (hf_layout.read_target(hf_dir, ModelConfig.from_hf_dir(hf_dir)), restored):
         mlp = params["moe"]["mlp"]
         w13, s13 = np.asarray(mlp["w13_packed"][0, 0]), np.asarray(mlp["w13_scale"][0, 0])  # [96/8, 2, 64]
         for j in (0, 1):
@@ -203,7 +202,7 @@ def test_k2_layout_inv_freq_and_int64_weight_shape(tmp_path):
     summary = _convert(tmp_path / "o", hf=hf)
     assert "rotary_emb.inv_freq: 1 tensors" in summary["skipped"]
     _, params = checkpoint.restore(tmp_path / "o")
-    _assert_trees_equal(params, hf_layout.read_hf_params(hf, cfg))
+    _assert_trees_equal(params, hf_layout.read_target(hf, cfg))
     assert "q" in params["moe"]["attn"] and "q_a" not in params["moe"]["attn"]
 
 
@@ -368,3 +367,61 @@ def test_drafter_dims_checked_against_target(tmp_path, capsys):
     assert convert_main(["--hf", TINY, "--out", out, "--drafter", drafter, "--no-progress"]) == 2
     assert "vocab_size" in capsys.readouterr().err
     assert not os.path.exists(out)
+
+
+# ---- writing the HF layout ---------------------------------------------------------------------------------
+def test_write_target_reproduces_the_tiny_checkpoint(tmp_path, hf_tree):
+    """Our tree, written back with make_tiny's options (shard size, vision tensors, split), is the committed
+    checkpoint byte for byte: the writer is the reader's exact inverse."""
+    with open(os.path.join(TINY, hf_layout.INDEX_FILE)) as f:
+        weight_map = json.load(f)["weight_map"]
+    extra = {}
+    for name, file in weight_map.items():
+        if name.startswith(("vision_tower.", "mm_projector.")):
+            extra[name] = load_file(os.path.join(TINY, file))[name]
+    with open(os.path.join(TINY, "generation_config.json")) as f:
+        generation = json.load(f)
+    out = tmp_path / "w"
+    cfg = hf_layout.write_target(
+        out,
+        make_tiny.tiny_text_config("tiny"),
+        hf_tree,
+        shard_bytes=2_500_000,
+        generation_config=generation,
+        extra_tensors=extra.items(),
+        split_after="language_model.model.layers.1.mlp.experts.0.up_proj.weight_shape",
+    )
+    assert cfg == ModelConfig.from_hf_dir(TINY)
+    names = sorted(n for n in os.listdir(TINY) if n.endswith((".json", ".safetensors")) and "tokenizer" not in n)
+    assert names == sorted(os.listdir(out))
+    for name in names:
+        with open(os.path.join(TINY, name), "rb") as a, open(out / name, "rb") as b:
+            assert a.read() == b.read(), name
+
+
+def test_write_target_plain_layout_and_float_experts(tmp_path, hf_tree):
+    """wrapper=False writes a plain kimi_k2 checkpoint (no prefix); float experts (the training layout) are
+    quantized on the way and read back as the packed leaves quantize_experts makes."""
+    quant = pytest.importorskip("k26jax.train.quant")
+    w13, w2 = quant.dequantize_experts(
+        {k: hf_tree["moe"]["mlp"][k] for k in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")}
+    )
+    mlp = {k: v for k, v in hf_tree["moe"]["mlp"].items() if not k.startswith(("w13_", "w2_"))}
+    params = dict(hf_tree, moe=dict(hf_tree["moe"], mlp=dict(mlp, w13=w13, w2=w2)))
+    cfg = hf_layout.write_target(tmp_path / "p", make_tiny.tiny_text_config("tiny"), params, wrapper=False)
+    with open(tmp_path / "p" / "config.json") as f:
+        assert json.load(f)["model_type"] == "kimi_k2"
+    assert not any(n.startswith("language_model.") for n in hf_layout.HFCheckpoint(tmp_path / "p").entries)
+    got = hf_layout.read_target(tmp_path / "p", cfg)
+    want = dict(hf_tree, moe=dict(hf_tree["moe"], mlp=dict(mlp, **quant.quantize_experts(w13, w2))))
+    _assert_trees_equal(got, jax.tree.map(np.asarray, want))
+
+
+def test_write_target_rejects_a_bad_tree(tmp_path, hf_tree):
+    bad = dict(hf_tree, moe=dict(hf_tree["moe"], attn=dict(hf_tree["moe"]["attn"])))
+    bad["moe"]["attn"]["o"] = bad["moe"]["attn"]["o"][:, :-1]
+    with pytest.raises(ValueError, match="moe/attn/o"):
+        hf_layout.write_target(tmp_path / "b", make_tiny.tiny_text_config("tiny"), bad)
+    del bad["moe"]["attn"]["o"]
+    with pytest.raises(ValueError, match="missing leaf moe/attn/o"):
+        hf_layout.write_target(tmp_path / "b", make_tiny.tiny_text_config("tiny"), bad)

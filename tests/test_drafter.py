@@ -14,8 +14,8 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from convert.dflash_layout import hf_tensor_shapes, load_drafter_hf, save_drafter_hf
 from k26jax.config import ConfigError, DrafterConfig, build_target_layer_ids
+from k26jax.hf import drafter_tensor_shapes, read_drafter, write_drafter
 from k26jax.model import drafter as D
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "dflash")
@@ -34,7 +34,7 @@ def ref():
 
 @pytest.fixture(scope="module")
 def drafter():
-    cfg, params = load_drafter_hf(DRAFTER_DIR)
+    cfg, params = read_drafter(DRAFTER_DIR)
     return cfg, params
 
 
@@ -206,22 +206,22 @@ def test_bad_inputs_name_the_argument(drafter, ref):
 # ---- on-disk layout -------------------------------------------------------------------------------------
 def test_layout_round_trip_is_byte_exact(drafter, tmp_path):
     cfg, params = drafter
-    save_drafter_hf(tmp_path, cfg, params)
-    cfg2, params2 = load_drafter_hf(tmp_path)
+    write_drafter(tmp_path, cfg, params)
+    cfg2, params2 = read_drafter(tmp_path)
     assert cfg2 == cfg
     with (
         safe_open(os.path.join(DRAFTER_DIR, "model.safetensors"), "np") as a,
         safe_open(os.path.join(tmp_path, "model.safetensors"), "np") as b,
     ):
-        assert sorted(a.keys()) == sorted(b.keys()) == sorted(hf_tensor_shapes(cfg))
+        assert sorted(a.keys()) == sorted(b.keys()) == sorted(drafter_tensor_shapes(cfg))
         for name in a.keys():
             x, y = a.get_tensor(name), b.get_tensor(name)
             assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x.view(np.uint16), y.view(np.uint16))
-    save_drafter_hf(tmp_path / "f32", cfg, params, dtype="float32")
+    write_drafter(tmp_path / "f32", cfg, params, dtype="float32")
     assert jax.tree.all(
         jax.tree.map(
             lambda a, b: a.dtype == np.float32 and np.array_equal(a, np.float32(b)),
-            load_drafter_hf(tmp_path / "f32")[1],
+            read_drafter(tmp_path / "f32")[1],
             params,
         )
     )
@@ -253,7 +253,7 @@ def _rewrite(src_dir, dst, edit):
 )
 def test_layout_bad_files(tmp_path, edit, match):
     with pytest.raises(ValueError, match=match):
-        load_drafter_hf(_rewrite(DRAFTER_DIR, tmp_path / "d", edit))
+        read_drafter(_rewrite(DRAFTER_DIR, tmp_path / "d", edit))
 
 
 def test_layout_reads_sharded_checkpoints(drafter, tmp_path):
@@ -268,11 +268,11 @@ def test_layout_reads_sharded_checkpoints(drafter, tmp_path):
     shutil.copy(os.path.join(DRAFTER_DIR, "config.json"), tmp_path)
     with open(os.path.join(tmp_path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    _, sharded = load_drafter_hf(tmp_path)
+    _, sharded = read_drafter(tmp_path)
     assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b), sharded, params))
     os.remove(os.path.join(tmp_path, "model-00002-of-00002.safetensors"))
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
-        load_drafter_hf(tmp_path)
+        read_drafter(tmp_path)
 
 
 def test_save_rejects_bad_tree(drafter, tmp_path):
@@ -280,7 +280,7 @@ def test_save_rejects_bad_tree(drafter, tmp_path):
     bad = jax.tree.map(lambda a: a, params)
     bad["layers"]["attn"]["o"] = bad["layers"]["attn"]["o"][:, :-1]
     with pytest.raises(ValueError, match="layers/attn/o"):
-        save_drafter_hf(tmp_path, cfg, bad)
+        write_drafter(tmp_path, cfg, bad)
 
 
 # ---- DrafterConfig --------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from convert import hf_layout, make_tiny
+from convert import make_tiny
+from k26jax import hf as hf_layout
 from k26jax.config import DrafterConfig, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,8 +27,8 @@ def int4():
 def test_pack_int4_matches_compressed_tensors(int4):
     q = int4["q_int"]
     assert q.min() == -8 and q.max() == 7
-    np.testing.assert_array_equal(make_tiny.pack_int4(q), int4["packed"])
-    assert make_tiny.pack_int4(np.array([[1, -1, 0, 7, -7, 2, -2, 3]]))[0, 0] == -1230899079  # 0xB6A1F879
+    np.testing.assert_array_equal(hf_layout.pack_int4(q), int4["packed"])
+    assert hf_layout.pack_int4(np.array([[1, -1, 0, 7, -7, 2, -2, 3]]))[0, 0] == -1230899079  # 0xB6A1F879
     np.testing.assert_array_equal(hf_layout.unpack_int4_rows(int4["packed"].T).T, int4["unpacked"])
 
 
@@ -37,7 +38,7 @@ def test_pack_int4_matches_compressed_tensors(int4):
 )
 def test_pack_int4_rejects_bad_input(q, match):
     with pytest.raises(ValueError, match=match):
-        make_tiny.pack_int4(q)
+        hf_layout.pack_int4(q)
 
 
 def test_committed_tiny_is_what_make_tiny_writes(tmp_path):
