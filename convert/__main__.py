@@ -11,7 +11,7 @@ import sys
 
 from convert.converter import Options, convert
 from k26jax.config import ConfigError
-from k26jax.hf import CheckpointError
+from k26jax.hf_files import CheckpointError
 
 
 def main(argv=None) -> int:

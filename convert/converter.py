@@ -37,7 +37,7 @@ from convert.zarr_tree import ZarrTree
 from k26jax import checkpoint, hf, sharding
 from k26jax.checkpoint import COMPLETE_FILE, DRAFTER_DIR, FORMAT, MANIFEST_FILE, PARAMS_DIR, flatten_tree
 from k26jax.config import DrafterConfig, ModelConfig
-from k26jax.hf import HFCheckpoint
+from k26jax.hf_files import INDEX_FILE, HFCheckpoint
 from k26jax.model import params as param_table
 from k26jax.model.drafter import abstract_params, drafter_partition_specs
 
@@ -207,7 +207,7 @@ def _plan(opts: Options, source: HFCheckpoint) -> dict:
         "format": FORMAT,
         "hf_dir": os.path.abspath(opts.hf_dir),
         "config_sha256": _file_sha256(os.path.join(opts.hf_dir, "config.json")),
-        "index_sha256": _file_sha256(os.path.join(opts.hf_dir, hf.INDEX_FILE)),
+        "index_sha256": _file_sha256(os.path.join(opts.hf_dir, INDEX_FILE)),
         "shard_bytes": {
             f: os.path.getsize(os.path.join(opts.hf_dir, f))
             for f in sorted({e["file"] for e in source.entries.values()})

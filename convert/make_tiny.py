@@ -22,63 +22,17 @@ Weights are deterministic in --seed; lm_head/embed std 4/sqrt(D) so greedy logit
 from __future__ import annotations
 
 import argparse
-import base64
 import os
 import re
 from collections import Counter
 
 import numpy as np
 
-from k26jax import hf
+from k26jax import hf, hf_files
 from k26jax.config import DrafterConfig, ModelConfig, preset_text_config
+from k26jax.hf import CHAT_TEMPLATE, K2_SPECIAL_TOKENS, NUM_SPECIAL, special_tokens  # noqa: F401 (k26jax.train.bpe)
 from k26jax.model import drafter
 from k26jax.model.params import GROUP
-
-K2_VOCAB = 163840
-K2_SPECIAL_TOKENS = {  # K2 / K2.5 ids; the tiny vocab keeps each one's offset from the top
-    163584: "[BOS]",
-    163585: "[EOS]",
-    163586: "<|im_end|>",
-    163587: "<|im_user|>",
-    163588: "<|im_assistant|>",
-    163590: "<|start_header_id|>",
-    163591: "<|end_header_id|>",
-    163593: "[EOT]",
-    163594: "<|im_system|>",
-    163595: "<|tool_calls_section_begin|>",
-    163596: "<|tool_calls_section_end|>",
-    163597: "<|tool_call_begin|>",
-    163598: "<|tool_call_argument_begin|>",
-    163599: "<|tool_call_end|>",
-    163601: "<|im_middle|>",
-    163602: "<|media_begin|>",
-    163603: "<|media_content|>",
-    163604: "<|media_end|>",
-    163605: "<|media_pad|>",
-    163606: "<think>",
-    163607: "</think>",
-    163838: "[UNK]",
-    163839: "[PAD]",
-}
-NUM_SPECIAL = 256
-MEDIA_PLACEHOLDER = 163605
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
-    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
-    "{%- endif -%}"
-    "{%- if message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
-    "{%- elif message['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
-    "<think>{{ message.get('reasoning_content', '') }}</think>"
-    "{%- else -%}<|im_system|>{{ message['role'] }}<|im_middle|>"
-    "{%- endif -%}"
-    "{{ message['content'] }}<|im_end|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}"
-    "{%- endif -%}"
-)
 
 BPE_CORPUS = """\
 The quick brown fox jumps over the lazy dog. Kimi is a large language model with a mixture of experts:
@@ -96,13 +50,6 @@ Good morning! Could you explain, step by step, why the sky looks blue during the
 Sunlight scatters off small molecules in the air; shorter wavelengths scatter more strongly than longer ones.
 Write a function that sorts a list of integers, then test it with several inputs including an empty list.
 """
-
-
-def special_tokens(vocab_size: int) -> dict[int, str]:
-    """id -> token for the top 256 ids: K2's named specials at K2's offsets, `<|reserved_token_i|>` otherwise."""
-    first = vocab_size - NUM_SPECIAL
-    names = {i - K2_VOCAB + vocab_size: t for i, t in K2_SPECIAL_TOKENS.items()}
-    return {i: names.get(i, f"<|reserved_token_{i}|>") for i in range(first, vocab_size)}
 
 
 def bpe_ranks(num_tokens: int, corpus: str = BPE_CORPUS) -> dict[bytes, int]:
@@ -142,35 +89,7 @@ def _merge(word: tuple, a: bytes, b: bytes) -> tuple:
 
 
 def write_tokenizer(out: str, vocab_size: int) -> None:
-    ranks = bpe_ranks(vocab_size - NUM_SPECIAL)
-    with open(os.path.join(out, "tiktoken.model"), "w") as f:
-        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
-    specials = special_tokens(vocab_size)
-    config = {
-        "added_tokens_decoder": {
-            str(i): {
-                "content": t,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for i, t in specials.items()
-        },
-        "additional_special_tokens": [t for t in K2_SPECIAL_TOKENS.values() if not t.startswith("[")],
-        "bos_token": "[BOS]",
-        "eos_token": "[EOS]",
-        "pad_token": "[PAD]",
-        "unk_token": "[UNK]",
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 1048576,
-        "tokenizer_class": "TikTokenTokenizer",
-        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-    }
-    hf.dump_json(os.path.join(out, "tokenizer_config.json"), config)
+    hf.write_tokenizer(out, bpe_ranks(vocab_size - NUM_SPECIAL), special_tokens(vocab_size))
 
 
 # ---- weights ------------------------------------------------------------------------------------------------
@@ -244,13 +163,13 @@ def write_weights(out: str, cfg: ModelConfig, seed: int, shard_bytes: int) -> li
         if first_moe is not None
         else None
     )
-    return hf.write_shards(out, _all_tensors(_Weights(seed), cfg), shard_bytes, split_after)
+    return hf_files.write_shards(out, _all_tensors(_Weights(seed), cfg), shard_bytes, split_after)
 
 
 # ---- configs ------------------------------------------------------------------------------------------------
 def hf_config(text: dict) -> dict:
     """The kimi_k25 wrapper config.json around a text config dict."""
-    return hf.wrapper_config(text, MEDIA_PLACEHOLDER - K2_VOCAB + text["vocab_size"])
+    return hf.wrapper_config(text)
 
 
 def tiny_text_config(preset: str, experts: int | None = None, overrides: dict | None = None) -> dict:
@@ -282,9 +201,9 @@ def make_tiny(
     os.makedirs(out, exist_ok=True)
     text = tiny_text_config(preset, experts, overrides)
     config = hf_config(text)
-    hf.dump_json(os.path.join(out, "config.json"), config)
+    hf_files.dump_json(os.path.join(out, "config.json"), config)
     V = text["vocab_size"]
-    hf.dump_json(
+    hf_files.dump_json(
         os.path.join(out, "generation_config.json"),
         {"bos_token_id": V - 256, "eos_token_id": V - 254, "pad_token_id": V - 1, "do_sample": False},
     )

@@ -1,233 +1,61 @@
-"""The Hugging Face safetensors layout of the target and of the DFlash drafter: reading and writing it.
+"""The Hugging Face checkpoint layout of the target and of the DFlash drafter: reading and writing it.
 
 Target (K2 / K2.5 / K2.6): config.json is the K2.5/K2.6 `kimi_k25` wrapper (text config under `text_config`, text
-tensors prefixed `language_model.` beside `vision_tower.*` / `mm_projector.*`, which readers skip and count) or a
-plain `kimi_k2` / `deepseek_v3` text config (no prefix); `rotary_emb.inv_freq` buffers are skipped. Shards are found
-through `model.safetensors.index.json` (or a lone `model.safetensors`), never by name. Routed experts are
-compressed-tensors pack-quantized INT4 (weight_packed int32 [out, in/8], weight_scale bf16 [out, in/32],
-weight_shape [2]) and stay packed: our [in/8, out] words are a transpose of theirs, never re-encoded. Any other
-linear stored packed is dequantized to bf16(q * scale) on read, as compressed-tensors does.
-Drafter (z-lab DFlash): config.json plus model.safetensors (or shards), names as `DFlashDraftModel.state_dict()`.
+tensors prefixed `language_model.`) or a plain `kimi_k2` / `deepseek_v3` text config; the directory's files are read
+and written by k26jax/hf_files.py. Routed experts are compressed-tensors pack-quantized INT4 (weight_packed int32
+[out, in/8], weight_scale bf16 [out, in/32], weight_shape [2]) and stay packed: our [in/8, out] words are a
+transpose of theirs, never re-encoded. Any other linear stored packed is dequantized to bf16(q * scale) on read, as
+compressed-tensors does. Drafter (z-lab DFlash): config.json plus model.safetensors (or shards), names as
+`DFlashDraftModel.state_dict()`. Every name, shape and relayout comes from the tables of k26jax/model/params.py
+(each leaf's `HF` source); `target_modules` lists a config's HF tensors in checkpoint order.
 
-Every name, shape and relayout comes from the tables of k26jax/model/params.py (each leaf's `HF` source).
-
-  read_target(path, cfg, *, dtype="bfloat16") -> params         the target's tree (numpy), validated first
+  read_target(path, cfg, *, dtype="bfloat16") -> params           the target's tree (numpy), validated first
   write_target(out_dir, text_config, params, *, shard_bytes=2 << 30, wrapper=True, dtype="bfloat16",
                generation_config=None, extra_tensors=(), split_after=None) -> ModelConfig
-                                                                config.json, shards and index from our tree; float
-                                                                routed experts (training layout) are quantized
+      config.json, generation_config.json, shards and index from our tree (float routed experts, the training
+      layout, are quantized first)
   read_drafter(path) -> (DrafterConfig, params)
-  write_drafter(out_dir, cfg, params, *, dtype=None)            config.json + model.safetensors
-Streaming pieces (the converter): HFCheckpoint, validate, expected_tensors, param_shapes, kind_index, top_pieces,
-layer_pieces. Writing pieces (make_tiny): target_modules (the HF tensors in checkpoint order), target_tensors,
-write_shards, wrapper_config, dump_json. INT4: pack_int4, unpack_int4_rows.
+  write_drafter(out_dir, cfg, params, *, dtype=None)              config.json + model.safetensors
+  write_tokenizer(out_dir, ranks, specials=None)                  tiktoken.model + tokenizer_config.json
+The converter streams with validate, param_shapes, kind_index, top_pieces and layer_pieces; make_tiny draws its
+synthetic tensors over target_modules and writes them with hf_files.write_shards.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import json
 import math
 import os
-import struct
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from k26jax.config import QUANT_CONFIG, DrafterConfig, ModelConfig
+from k26jax.hf_files import (
+    SINGLE_FILE,
+    WRAPPER_PREFIX,
+    CheckpointError,
+    HFCheckpoint,
+    TensorFiles,
+    dump_json,
+    write_shards,
+)
 from k26jax.model import params as param_table
 from k26jax.model.params import GROUP, PACK, Param, Stack
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 CONFIG_FILE, GENERATION_CONFIG_FILE = "config.json", "generation_config.json"
-WRAPPER_PREFIX = "language_model."
-SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
-SKIPPED_SUFFIXES = (".rotary_emb.inv_freq",)
+TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE = "tiktoken.model", "tokenizer_config.json"
 RELEASE_EVERY = 16  # experts read between unmapping the shards
 FIRST_MODULES = ("model.embed_tokens.",)  # top-level tensors written before the decoder layers (then the others)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"bfloat16": BF16, "float32": np.dtype(np.float32)}
-_ITEMSIZE = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "F64": 8,
-    "I64": 8,
-    "U64": 8,
-}  # safetensors dtype tag -> bytes
 FLOATS = ("BF16", "F16", "F32")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that does not hold what its config implies."""
-
-
-class HFCheckpoint:
-    """The tensors of a HF checkpoint directory by canonical name (`model.layers.3.mlp.gate.weight`, `lm_head.weight`).
-
-    Headers are parsed up front (shape, dtype, and a truncation check per shard); data is read one tensor (or row
-    block) at a time through memory-mapped `safe_open` handles, which `release()` unmaps.
-    """
-
-    def __init__(self, hf_dir: str | os.PathLike):
-        self.dir = os.fspath(hf_dir)
-        self.entries: dict[str, dict[str, Any]] = {}  # name -> {file, disk_name, shape, dtype, nbytes, offset}
-        self.skipped: dict[str, list[int]] = {}  # skipped group -> [tensors, bytes]
-        self._handles: dict[str, Any] = {}
-        weight_map = self._weight_map()
-        headers = {
-            f: self._header(f, sorted(n for n, g in weight_map.items() if g == f))
-            for f in sorted(set(weight_map.values()))
-        }
-        for disk_name, file in weight_map.items():
-            header, data_start = headers[file]
-            info = header.get(disk_name)
-            if info is None:
-                raise CheckpointError(
-                    f"{self._path(file)}: {INDEX_FILE} lists tensor {disk_name!r} in this shard, "
-                    f"but the shard does not contain it"
-                )
-            dtype, shape = info["dtype"], tuple(info["shape"])
-            nbytes = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE.get(dtype, 1)
-            name = disk_name[len(WRAPPER_PREFIX) :] if disk_name.startswith(WRAPPER_PREFIX) else disk_name
-            group = next((p.rstrip(".") for p in SKIPPED_PREFIXES if name.startswith(p)), None)
-            group = group or next((s.lstrip(".") for s in SKIPPED_SUFFIXES if name.endswith(s)), None)
-            if group:
-                count = self.skipped.setdefault(group, [0, 0])
-                count[0], count[1] = count[0] + 1, count[1] + nbytes
-                continue
-            if name in self.entries:
-                raise CheckpointError(
-                    f"{self._path(file)}: tensor {disk_name!r} maps to {name!r}, which "
-                    f"{self.entries[name]['disk_name']!r} in {self.entries[name]['file']} also does"
-                )
-            self.entries[name] = dict(
-                file=file,
-                disk_name=disk_name,
-                shape=shape,
-                dtype=dtype,
-                nbytes=nbytes,
-                offset=data_start + info["data_offsets"][0],
-            )
-
-    # ---- index and headers --------------------------------------------------------------------------------
-    def _path(self, file: str) -> str:
-        return os.path.join(self.dir, file)
-
-    def _weight_map(self) -> dict[str, str]:
-        index_path = self._path(INDEX_FILE)
-        if os.path.isfile(index_path):
-            try:
-                with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index_path}: not a safetensors index with a 'weight_map' ({e!r})") from e
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{index_path}: 'weight_map' is empty or not an object")
-            return weight_map
-        if os.path.isfile(self._path(SINGLE_FILE)):
-            return {name: SINGLE_FILE for name in _read_header(self._path(SINGLE_FILE))[0]}
-        raise CheckpointError(f"{self.dir}: neither {INDEX_FILE} nor {SINGLE_FILE} exists")
-
-    def _header(self, file: str, names: list[str]) -> tuple[dict[str, Any], int]:
-        path = self._path(file)
-        if not os.path.isfile(path):
-            raise CheckpointError(
-                f"{path}: shard is missing; {INDEX_FILE} maps {len(names)} tensor(s) to it, e.g. {names[0]!r}"
-            )
-        header, data_start = _read_header(path)
-        data_end = max((max(v["data_offsets"]) for v in header.values()), default=0)
-        size = os.path.getsize(path)
-        if size < data_start + data_end:
-            raise CheckpointError(
-                f"{path}: shard is truncated: its header needs {data_start + data_end} bytes, the file has {size}"
-            )
-        return header, data_start
-
-    # ---- reading ------------------------------------------------------------------------------------------
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
-    def _handle(self, name: str):
-        entry = self.entries[name]
-        if entry["file"] not in self._handles:
-            self._handles[entry["file"]] = safe_open(self._path(entry["file"]), framework="numpy")
-        return self._handles[entry["file"]], entry["disk_name"]
-
-    def read(self, name: str) -> np.ndarray:
-        """The whole tensor, copied out of the mapped shard."""
-        handle, disk_name = self._handle(name)
-        return handle.get_tensor(disk_name)
-
-    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of a tensor (leading axis), reading only those bytes."""
-        handle, disk_name = self._handle(name)
-        return handle.get_slice(disk_name)[start:stop]
-
-    def read_columns(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Columns [start, stop) of a 2-D tensor (strided read of the mapped shard)."""
-        handle, disk_name = self._handle(name)
-        return handle.get_slice(disk_name)[:, start:stop]
-
-    def prefetch(self, prefix: str) -> None:
-        """Asks the OS to start reading every tensor whose name starts with `prefix` (POSIX_FADV_WILLNEED), so the
-        disk works ahead while the current layer is assembled."""
-        by_file: dict[str, list[tuple[int, int]]] = {}
-        for name, entry in self.entries.items():
-            if name.startswith(prefix):
-                by_file.setdefault(entry["file"], []).append((entry["offset"], entry["nbytes"]))
-        for file, ranges in by_file.items():
-            fd = os.open(self._path(file), os.O_RDONLY)
-            try:
-                for offset, nbytes in ranges:
-                    os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
-
-    def release(self) -> None:
-        """Unmaps the shards opened so far (mapped pages count towards resident memory)."""
-        self._handles.clear()
-
-    def skipped_summary(self) -> str:
-        return ", ".join(f"{group}: {n} tensors, {b / 1e6:.1f} MB" for group, (n, b) in sorted(self.skipped.items()))
-
-    def where(self, name: str) -> str:
-        entry = self.entries[name]
-        return f"{entry['file']}: {entry['disk_name']}"
-
-
-def _read_header(path: str) -> tuple[dict[str, Any], int]:
-    """(tensor name -> {dtype, shape, data_offsets}, byte offset of the data) from a safetensors file."""
-    with open(path, "rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) < 8:
-            raise CheckpointError(f"{path}: shard is truncated (shorter than the 8-byte header length)")
-        (header_len,) = struct.unpack("<Q", raw_len)
-        raw = f.read(header_len)
-    if len(raw) < header_len:
-        raise CheckpointError(f"{path}: shard is truncated inside its {header_len}-byte header")
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {e})") from e
-    header.pop("__metadata__", None)
-    return header, 8 + header_len
 
 
 # ---- INT4 --------------------------------------------------------------------------------------------------
@@ -564,51 +392,11 @@ def drafter_tensor_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     return {m.name + (".weight" if m.kind == "linear" else ""): m.shape for m in drafter_modules(cfg)}
 
 
-class _DrafterFiles:
-    """The tensors of a drafter directory by name, each checked against its expected shape when read."""
-
-    def __init__(self, path: str, expected: dict[str, tuple[int, ...]], stack: contextlib.ExitStack):
-        self.files, self.expected, self.stack, self.opened = _tensor_files(path), expected, stack, {}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
-    def read(self, name: str) -> np.ndarray:
-        file = self.files[name]
-        if file not in self.opened:
-            if not os.path.isfile(file):
-                raise FileNotFoundError(f"{file}: listed for tensor {name!r} but missing")
-            self.opened[file] = self.stack.enter_context(safe_open(file, framework="np"))
-        w = self.opened[file].get_tensor(name)
-        if w.shape != self.expected[name]:
-            raise ValueError(f"{file}: tensor {name!r} has shape {w.shape}, expected {self.expected[name]}")
-        return w
-
-    def release(self) -> None:
-        pass
-
-
-def _tensor_files(path: str) -> dict[str, str]:
-    """Tensor name -> safetensors file, from the index when the checkpoint is sharded."""
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no 'weight_map' object")
-        return {name: os.path.join(path, file) for name, file in weight_map.items()}
-    single = os.path.join(path, SINGLE_FILE)
-    if not os.path.isfile(single):
-        raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with safe_open(single, framework="np") as f:
-        return {name: single for name in f.keys()}
-
-
 def read_drafter_params(path: str | os.PathLike, cfg: DrafterConfig) -> dict:
     """The drafter's stacked numpy tree, in the checkpoint's dtype (bf16 as ml_dtypes.bfloat16)."""
     path, expected = os.fspath(path), drafter_tensor_shapes(cfg)
     with contextlib.ExitStack() as stack:
-        files = _DrafterFiles(path, expected, stack)
+        files = TensorFiles(path, expected, stack)
         missing = [n for n in expected if n not in files]
         if missing:
             raise ValueError(f"{path}: missing tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}")
@@ -735,42 +523,6 @@ def _packed_experts(params: dict) -> dict:
     return params | {"moe": params["moe"] | {"mlp": packed}}
 
 
-def write_shards(
-    out: str, tensors: Iterable[tuple[str, np.ndarray]], shard_bytes: int, split_after: str | None = None
-) -> list[str]:
-    """Writes `model-0000i-of-00000n.safetensors` shards of at most `shard_bytes` (a larger tensor gets its own)
-    and their index, holding one shard in memory; a shard also ends after the tensor `split_after`. Returns the
-    shard file names."""
-    current: dict[str, np.ndarray] = {}
-    size, tmp_names = 0, []
-
-    def flush():
-        nonlocal current, size
-        name = f"shard-{len(tmp_names)}.tmp"
-        save_file(current, os.path.join(out, name), metadata={"format": "pt"})
-        tmp_names.append((name, list(current)))
-        current, size = {}, 0
-
-    for name, arr in tensors:
-        if current and size + arr.nbytes > shard_bytes:
-            flush()
-        current[name] = arr
-        size += arr.nbytes
-        if name == split_after:
-            flush()
-    if current:
-        flush()
-    weight_map, files = {}, []
-    for i, (tmp, names) in enumerate(tmp_names):
-        final = f"model-{i + 1:05d}-of-{len(tmp_names):06d}.safetensors"  # K2.5's six-digit total
-        os.replace(os.path.join(out, tmp), os.path.join(out, final))
-        files.append(final)
-        weight_map.update({n: final for n in names})
-    total = sum(os.path.getsize(os.path.join(out, final)) for final in files)
-    dump_json(os.path.join(out, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return files
-
-
 def text_config_json(text: dict) -> dict:
     """A K2 text config.json (DeepseekV3ForCausalLM, compressed-tensors INT4 experts) around a text config dict."""
     return {
@@ -795,7 +547,7 @@ def text_config_json(text: dict) -> dict:
 
 def wrapper_config(text: dict, media_placeholder_token_id: int | None = None) -> dict:
     """The kimi_k25 wrapper config.json around a text config dict, with a small vision config. The media
-    placeholder defaults to K2's <|media_pad|> offset from the top of the vocabulary (id V - 235)."""
+    placeholder defaults to <|media_pad|> at K2's offset from the top of the vocabulary."""
     V = text["vocab_size"]
     text = text_config_json(text)
     return {
@@ -809,7 +561,9 @@ def wrapper_config(text: dict, media_placeholder_token_id: int | None = None) ->
         "bos_token_id": text["bos_token_id"],
         "eos_token_id": text["eos_token_id"],
         "pad_token_id": text["pad_token_id"],
-        "media_placeholder_token_id": V - 235 if media_placeholder_token_id is None else media_placeholder_token_id,
+        "media_placeholder_token_id": (
+            MEDIA_PLACEHOLDER - K2_VOCAB + V if media_placeholder_token_id is None else media_placeholder_token_id
+        ),
         "use_unified_vision_chunk": True,
         "video_placeholder": "<|kimi_k25_video_placeholder|>",
         "tie_word_embeddings": False,
@@ -871,7 +625,98 @@ def _chain(*iterables):
         yield from it
 
 
-def dump_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
+# ---- tokenizer files ---------------------------------------------------------------------------------------
+K2_VOCAB = 163840
+K2_SPECIAL_TOKENS = {  # K2 / K2.5 ids; a smaller vocabulary keeps each one's offset from the top
+    163584: "[BOS]",
+    163585: "[EOS]",
+    163586: "<|im_end|>",
+    163587: "<|im_user|>",
+    163588: "<|im_assistant|>",
+    163590: "<|start_header_id|>",
+    163591: "<|end_header_id|>",
+    163593: "[EOT]",
+    163594: "<|im_system|>",
+    163595: "<|tool_calls_section_begin|>",
+    163596: "<|tool_calls_section_end|>",
+    163597: "<|tool_call_begin|>",
+    163598: "<|tool_call_argument_begin|>",
+    163599: "<|tool_call_end|>",
+    163601: "<|im_middle|>",
+    163602: "<|media_begin|>",
+    163603: "<|media_content|>",
+    163604: "<|media_end|>",
+    163605: "<|media_pad|>",
+    163606: "<think>",
+    163607: "</think>",
+    163838: "[UNK]",
+    163839: "[PAD]",
+}
+NUM_SPECIAL = 256
+MEDIA_PLACEHOLDER = 163605
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- elif message['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "<think>{{ message.get('reasoning_content', '') }}</think>"
+    "{%- else -%}<|im_system|>{{ message['role'] }}<|im_middle|>"
+    "{%- endif -%}"
+    "{{ message['content'] }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def special_tokens(vocab_size: int) -> dict[int, str]:
+    """id -> token for the top 256 ids: K2's named specials at K2's offsets, `<|reserved_token_i|>` otherwise."""
+    first = vocab_size - NUM_SPECIAL
+    names = {i - K2_VOCAB + vocab_size: t for i, t in K2_SPECIAL_TOKENS.items()}
+    return {i: names.get(i, f"<|reserved_token_{i}|>") for i in range(first, vocab_size)}
+
+
+def tokenizer_config(specials: dict[int, str]) -> dict:
+    """tokenizer_config.json of a K2.6 checkpoint: the added (special) tokens, role tokens and chat template."""
+    return {
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for i, t in sorted(specials.items())
+        },
+        "additional_special_tokens": [t for t in K2_SPECIAL_TOKENS.values() if not t.startswith("[")],
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1048576,
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+    }
+
+
+def write_tokenizer(out_dir: str, ranks: dict[bytes, int], specials: dict[int, str] | None = None) -> None:
+    """out_dir/tiktoken.model (`base64(token bytes) rank` lines in rank order) and out_dir/tokenizer_config.json;
+    specials default to K2's 256 at the top of a vocabulary of len(ranks) + 256 ids."""
+    specials = special_tokens(len(ranks) + NUM_SPECIAL) if specials is None else specials
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError("ranks must be exactly 0..len(ranks)-1")
+    if min(specials) < len(ranks):
+        raise ValueError(f"special id {min(specials)} collides with the {len(ranks)} BPE ranks")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, TIKTOKEN_FILE), "w") as f:
+        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
+    dump_json(os.path.join(out_dir, TOKENIZER_CONFIG_FILE), tokenizer_config(specials))

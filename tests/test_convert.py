@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 from convert import converter, make_tiny
 from convert.__main__ import main as convert_main
-from k26jax import checkpoint, sharding
+from k26jax import checkpoint, hf_files, sharding
 from k26jax import hf as hf_layout
 from k26jax.config import ConfigError, ModelConfig
 from pallas_kernels.int4_moe_gemm import dequantize_int4, unpack_int4
@@ -132,7 +132,7 @@ def _hf_with_int4_fixture(tmp_path):
             num_experts_per_tok=2,
         ),
     )
-    with open(os.path.join(out, hf_layout.INDEX_FILE)) as f:
+    with open(os.path.join(out, hf_files.INDEX_FILE)) as f:
         weight_map = json.load(f)["weight_map"]
     prefix = "language_model.model.layers.1.mlp.experts.0."
     new = {prefix + f"{p}_proj.weight_packed": fx["packed"] for p in ("gate", "up")}
@@ -164,7 +164,7 @@ def _edit_shard(hf_dir, weight_map, tensors, remove=None):
     content.update(tensors)
     weight_map.update({name: file for name in tensors})
     save_file(content, shard, metadata={"format": "pt"})
-    with open(os.path.join(hf_dir, hf_layout.INDEX_FILE), "w") as f:
+    with open(os.path.join(hf_dir, hf_files.INDEX_FILE), "w") as f:
         json.dump({"weight_map": weight_map}, f)
 
 
@@ -191,7 +191,7 @@ def test_k2_layout_inv_freq_and_int64_weight_shape(tmp_path):
     weight_shape stored as int64 (as compressed-tensors itself writes it)."""
     hf = str(tmp_path / "k2")
     shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "parity_k2_group"), hf)
-    with open(os.path.join(hf, hf_layout.INDEX_FILE)) as f:
+    with open(os.path.join(hf, hf_files.INDEX_FILE)) as f:
         weight_map = json.load(f)["weight_map"]
     assert not any(n.startswith("language_model.") for n in weight_map)
     name = "model.layers.2.mlp.experts.0.down_proj.weight_shape"
@@ -254,7 +254,7 @@ def test_resume_refuses_other_options(tmp_path):
 def _copy_tiny(tmp_path):
     dst = str(tmp_path / "hf")
     shutil.copytree(TINY, dst, ignore=shutil.ignore_patterns("drafter"))
-    with open(os.path.join(dst, hf_layout.INDEX_FILE)) as f:
+    with open(os.path.join(dst, hf_files.INDEX_FILE)) as f:
         return dst, json.load(f)["weight_map"]
 
 
@@ -300,7 +300,7 @@ def test_missing_and_unexpected_tensors(tmp_path, capsys):
     tensors[extra] = np.zeros(4, np.float32)
     save_file(tensors, shard, metadata={"format": "pt"})
     weight_map[extra] = weight_map.pop(gone)
-    with open(os.path.join(hf, hf_layout.INDEX_FILE), "w") as f:
+    with open(os.path.join(hf, hf_files.INDEX_FILE), "w") as f:
         json.dump({"weight_map": weight_map}, f)
     _assert_refused(
         capsys,
@@ -373,7 +373,7 @@ def test_drafter_dims_checked_against_target(tmp_path, capsys):
 def test_write_target_reproduces_the_tiny_checkpoint(tmp_path, hf_tree):
     """Our tree, written back with make_tiny's options (shard size, vision tensors, split), is the committed
     checkpoint byte for byte: the writer is the reader's exact inverse."""
-    with open(os.path.join(TINY, hf_layout.INDEX_FILE)) as f:
+    with open(os.path.join(TINY, hf_files.INDEX_FILE)) as f:
         weight_map = json.load(f)["weight_map"]
     extra = {}
     for name, file in weight_map.items():
@@ -411,7 +411,7 @@ def test_write_target_plain_layout_and_float_experts(tmp_path, hf_tree):
     cfg = hf_layout.write_target(tmp_path / "p", make_tiny.tiny_text_config("tiny"), params, wrapper=False)
     with open(tmp_path / "p" / "config.json") as f:
         assert json.load(f)["model_type"] == "kimi_k2"
-    assert not any(n.startswith("language_model.") for n in hf_layout.HFCheckpoint(tmp_path / "p").entries)
+    assert not any(n.startswith("language_model.") for n in hf_files.HFCheckpoint(tmp_path / "p").entries)
     got = hf_layout.read_target(tmp_path / "p", cfg)
     want = dict(hf_tree, moe=dict(hf_tree["moe"], mlp=dict(mlp, **quant.quantize_experts(w13, w2))))
     _assert_trees_equal(got, jax.tree.map(np.asarray, want))

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from convert import make_tiny
 from k26jax import hf as hf_layout
+from k26jax import hf_files
 from k26jax.config import DrafterConfig, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +65,7 @@ def test_k26_on_disk_format():
     V = cfg.vocab_size
     assert (cfg.bos_token_id, cfg.eos_token_ids, cfg.pad_token_id) == (V - 256, (V - 255, V - 254), V - 1)
     assert raw["media_placeholder_token_id"] == V - 235
-    with open(os.path.join(TINY, hf_layout.INDEX_FILE)) as f:
+    with open(os.path.join(TINY, hf_files.INDEX_FILE)) as f:
         weight_map = json.load(f)["weight_map"]
     shards = set(weight_map.values())
     assert len(shards) >= 3 and all(s.endswith("-of-%06d.safetensors" % len(shards)) for s in shards)
@@ -88,7 +89,7 @@ def test_k26_on_disk_format():
     bias = f"language_model.model.layers.{first_moe}.mlp.gate.e_score_correction_bias"
     with safe_open(os.path.join(TINY, weight_map[bias]), "numpy") as f:
         assert f.get_slice(bias).get_dtype() == "F32"
-    hf_layout.validate(hf_layout.HFCheckpoint(TINY), cfg)
+    hf_layout.validate(hf_files.HFCheckpoint(TINY), cfg)
 
 
 def test_tokenizer_files():
