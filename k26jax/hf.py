@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -276,8 +277,10 @@ def param_shapes(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
 
 def kind_index(cfg: ModelConfig, layer: int) -> tuple[str, int]:
     """(layer kind, position of `layer` within that kind's stack)."""
-    kinds = cfg.layer_kinds
-    return kinds[layer], kinds[:layer].count(kinds[layer])
+    for key, node in param_table.target_table(cfg).items():
+        if isinstance(node, Stack) and layer in node.hf_layers:
+            return key, node.hf_layers.index(layer)
+    raise ValueError(f"layer {layer}: the config has {cfg.num_hidden_layers} layers")
 
 
 def _cast(a: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
@@ -298,7 +301,7 @@ def _read_leaf(hf, p: Param, scope: str, dtype: np.dtype | None, cache: dict) ->
     """One layer's slice of a leaf (or a top-level leaf) from its HF tensors. dtype: float leaves' dtype (None: as
     stored); a leaf's fixed dtype wins. cache holds a tensor two leaves share until the second one is read."""
     src, name = p.hf, scope + p.hf.name
-    dtype = dtype if dtype is None or p.dtype is None else np.dtype(p.dtype)
+    dtype = dtype if dtype is None or p.dtype is None else _np_dtype(p.dtype)
     if src.kind == "tensor":
         return _cast(hf.read(name), dtype)
     if src.kind == "linear":
@@ -317,7 +320,7 @@ def _read_leaf(hf, p: Param, scope: str, dtype: np.dtype | None, cache: dict) ->
         if hi < total:
             cache[name] = w
         return np.ascontiguousarray(w.reshape(p.shape[0], total, p.shape[2])[:, lo:hi])
-    out = np.empty(p.shape, np.dtype(p.dtype))  # routed experts: [E, in/g, (2,) out], one expert at a time
+    out = np.empty(p.shape, _np_dtype(p.dtype))  # routed experts: [E, in/g, (2,) out], one expert at a time
     for e in range(p.shape[0]):
         if e % RELEASE_EVERY == 0:
             hf.release()  # bounds the mapped (resident) source pages to a few experts
@@ -442,7 +445,7 @@ def write_drafter(path: str | os.PathLike, cfg: DrafterConfig, params: dict, *, 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tree = _host_tree(param_table.drafter_table(cfg), params)
-    tensors = dict(_tensors(drafter_modules(cfg), tree, None if dtype is None else np.dtype(_np_dtype(dtype))))
+    tensors = dict(_tensors(drafter_modules(cfg), tree, None if dtype is None else _np_dtype(dtype)))
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(cfg.to_hf_dict(), f, indent=2)
     save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
@@ -481,7 +484,7 @@ def _tensors(modules: list[Module], tree: dict, dtype: np.dtype | None) -> Itera
     parameters'); leaves of a fixed dtype keep theirs."""
 
     def host(a, part):
-        want = np.dtype(part.param.dtype) if part.param.dtype else dtype
+        want = _np_dtype(part.param.dtype) if part.param.dtype else dtype
         return np.ascontiguousarray(a if want is None else a.astype(want))
 
     seen = set()
@@ -616,13 +619,8 @@ def write_target(
     cfg = ModelConfig.from_hf_dir(out_dir)
     prefix = WRAPPER_PREFIX if wrapper else ""
     named = ((prefix + name, arr) for name, arr in target_tensors(cfg, params, dtype))
-    write_shards(out_dir, _chain(named, extra_tensors), shard_bytes, split_after)
+    write_shards(out_dir, itertools.chain(named, extra_tensors), shard_bytes, split_after)
     return cfg
-
-
-def _chain(*iterables):
-    for it in iterables:
-        yield from it
 
 
 # ---- tokenizer files ---------------------------------------------------------------------------------------

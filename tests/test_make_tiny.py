@@ -125,6 +125,13 @@ def test_tokenizer_files():
     assert prompt.endswith("<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>")
 
 
+def test_write_tokenizer_refuses_bad_ranks(tmp_path):
+    with pytest.raises(ValueError, match="0..len"):
+        hf_layout.write_tokenizer(str(tmp_path), {b"a": 0, b"b": 2})
+    with pytest.raises(ValueError, match="collides"):
+        hf_layout.write_tokenizer(str(tmp_path), {bytes([b]): b for b in range(256)}, {100: "[BOS]"})
+
+
 def test_drafter_matches_target():
     cfg = ModelConfig.from_hf_dir(TINY)
     dcfg = DrafterConfig.from_hf_dir(os.path.join(TINY, "drafter"))
