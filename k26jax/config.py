@@ -1,8 +1,9 @@
 """Model configuration: built from a Hugging Face `config.json`, or from a preset.
 
 Accepts the K2.5/K2.6 `kimi_k25` wrapper (text config under `text_config`, `quantization_config` at either
-level) and plain text configs whose `model_type` is `kimi_k2` or `deepseek_v3`. Every field the math depends on is
-honoured; a value we cannot honour raises `ConfigError` naming the field. Nothing is silently defaulted.
+level) and plain text configs whose `model_type` is `kimi_k2` or `deepseek_v3`. A field the text config leaves out
+takes transformers' `DeepseekV3Config` default (`HF_TEXT_DEFAULTS`), as transformers itself would read the file.
+Every field the math depends on is honoured; a value we cannot honour raises `ConfigError` naming the field.
 """
 
 from __future__ import annotations
@@ -126,7 +127,10 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         text, quant_raw = _unwrap(raw, source)
-        f = _Fields(text, source)
+        _check_fixed_fields(text, source)
+        ids = _token_ids(text, raw)
+        f, tokens = _Fields(text, source), _Fields(ids, source)
+        max_position_embeddings = f.int("max_position_embeddings")
         cfg = cls(
             vocab_size=f.int("vocab_size"),
             hidden_size=f.int("hidden_size"),
@@ -142,22 +146,22 @@ class ModelConfig:
             n_routed_experts=f.int("n_routed_experts", nullable=True) or 0,
             n_shared_experts=f.int("n_shared_experts", nullable=True) or 0,
             num_experts_per_tok=f.int("num_experts_per_tok", nullable=True) or 0,
-            first_k_dense_replace=f.int("first_k_dense_replace", default=0),
-            moe_layer_freq=f.int("moe_layer_freq", default=1),
-            n_group=f.int("n_group", default=1),
-            topk_group=f.int("topk_group", default=1),
+            first_k_dense_replace=f.int("first_k_dense_replace"),
+            moe_layer_freq=f.int("moe_layer_freq"),
+            n_group=f.int("n_group"),
+            topk_group=f.int("topk_group"),
             norm_topk_prob=f.bool("norm_topk_prob"),
-            routed_scaling_factor=f.float("routed_scaling_factor", default=1.0),
+            routed_scaling_factor=f.float("routed_scaling_factor"),
             rms_norm_eps=f.float("rms_norm_eps"),
-            rope_theta=f.float("rope_theta", alt=("rope_parameters", "rope_theta")),
-            rope_scaling=_rope_scaling(text, source),
-            max_position_embeddings=f.int("max_position_embeddings"),
-            tie_word_embeddings=f.bool("tie_word_embeddings", default=False),
-            scoring_func=f.str("scoring_func", default="sigmoid"),
-            topk_method=f.str("topk_method", default="noaux_tc"),
-            bos_token_id=f.int("bos_token_id", nullable=True),
-            eos_token_ids=_as_tuple(text.get("eos_token_id", raw.get("eos_token_id"))),
-            pad_token_id=f.int("pad_token_id", nullable=True),
+            rope_theta=_rope_theta(text, source),
+            rope_scaling=_rope_scaling(text, max_position_embeddings, source),
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=f.bool("tie_word_embeddings"),
+            scoring_func=f.str("scoring_func"),
+            topk_method=f.str("topk_method"),
+            bos_token_id=tokens.int("bos_token_id", nullable=True),
+            eos_token_ids=_as_tuple(ids["eos_token_id"]),
+            pad_token_id=tokens.int("pad_token_id", nullable=True),
             quant=_quant(quant_raw, source),
         )
         cfg.validate(source)
@@ -340,76 +344,188 @@ def _unwrap(raw: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str,
     )
 
 
+# transformers' DeepseekV3Config defaults: src/transformers/models/deepseek_v3/configuration_deepseek_v3.py
+# (the same values in v4.57.1 and v5.24.0; rope_theta is v5's RotaryEmbeddingConfigMixin.default_theta). kimi_k2
+# text configs read the same way: transformers' Kimi_K25Config (models/kimi_k25/configuration_kimi_k25.py) builds
+# its text_config as a DeepseekV3Config. moe_layer_freq, scoring_func and topk_method are not DeepseekV3Config
+# fields; transformers' DeepseekV3 model acts as 1 / sigmoid / noaux_tc, the defaults of DeepSeek-V3's own
+# configuration_deepseek.py.
+HF_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    norm_topk_prob=True,
+    hidden_act="silu",
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    pad_token_id=None,
+    bos_token_id=0,
+    eos_token_id=1,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    rope_interleave=True,
+    attention_bias=False,
+    moe_layer_freq=1,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+)
+# Fields k26jax implements at one value only (their default): any other value is refused.
+_FIXED_FIELDS = ("hidden_act", "attention_bias", "rope_interleave")
+
+
+def _check_fixed_fields(text: dict[str, Any], source: str) -> None:
+    for key in _FIXED_FIELDS:
+        want = HF_TEXT_DEFAULTS[key]
+        if key in text and text[key] != want:
+            raise ConfigError(f"{source}: {key}: {text[key]!r} is not supported (only {want!r})")
+    heads = text.get("num_attention_heads", HF_TEXT_DEFAULTS["num_attention_heads"])
+    kv_heads = text.get("num_key_value_heads", HF_TEXT_DEFAULTS["num_key_value_heads"])
+    if kv_heads is not None and kv_heads != heads:
+        given = "" if "num_key_value_heads" in text else " (absent: transformers' default)"
+        raise ConfigError(
+            f"{source}: num_key_value_heads: {kv_heads}{given} != num_attention_heads={heads}; MLA needs them equal"
+        )
+    partial = text.get("partial_rotary_factor")
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"{source}: partial_rotary_factor: {partial} is not supported (only full rotary)")
+
+
+def _token_ids(text: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """bos/eos/pad ids: the text config's, else the kimi_k25 wrapper's, else DeepseekV3Config's defaults."""
+    return {
+        key: text[key] if key in text else raw.get(key, HF_TEXT_DEFAULTS[key])
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+    }
+
+
 class _Fields:
-    _MISSING = object()
+    """Typed reads of a config dict; an absent key takes its HF_TEXT_DEFAULTS value."""
 
     def __init__(self, d: dict[str, Any], source: str):
         self.d, self.source = d, source
-        for key, want in (("hidden_act", "silu"), ("attention_bias", False)):
-            if key in d and d[key] != want:
-                raise ConfigError(f"{source}: {key}: {d[key]!r} is not supported (only {want!r})")
-        heads, kv_heads = d.get("num_attention_heads"), d.get("num_key_value_heads")
-        if kv_heads is not None and kv_heads != heads:
-            raise ConfigError(f"{source}: num_key_value_heads: MLA needs it equal to num_attention_heads")
 
-    def _get(self, key, default, alt=None):
-        if key in self.d:
-            return self.d[key]
-        if alt and isinstance(self.d.get(alt[0]), dict) and alt[1] in self.d[alt[0]]:
-            return self.d[alt[0]][alt[1]]
-        if default is self._MISSING:
-            raise ConfigError(f"{self.source}: required field {key!r} is missing")
-        return default
+    def _get(self, key):
+        return self.d[key] if key in self.d else HF_TEXT_DEFAULTS[key]
 
-    def int(self, key, default=_MISSING, nullable=False, alt=None):
-        v = self._get(key, default, alt)
-        if v is None and (nullable or default is None):
+    def int(self, key, nullable=False):
+        v = self._get(key)
+        if v is None and nullable:
             return None
         if isinstance(v, bool) or not isinstance(v, int):
             raise ConfigError(f"{self.source}: {key}: expected an integer, got {v!r}")
         return v
 
-    def float(self, key, default=_MISSING, alt=None):
-        v = self._get(key, default, alt)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"{self.source}: {key}: expected a number, got {v!r}")
-        return float(v)
+    def float(self, key):
+        return _number(self._get(key), key, self.source)
 
-    def bool(self, key, default=_MISSING):
-        v = self._get(key, default)
+    def bool(self, key):
+        v = self._get(key)
         if not isinstance(v, bool):
             raise ConfigError(f"{self.source}: {key}: expected true/false, got {v!r}")
         return v
 
-    def str(self, key, default=_MISSING):
-        v = self._get(key, default)
+    def str(self, key):
+        v = self._get(key)
         if not isinstance(v, str):
             raise ConfigError(f"{self.source}: {key}: expected a string, got {v!r}")
         return v
 
 
-def _rope_scaling(text: dict[str, Any], source: str) -> RopeScaling | None:
+def _number(v, key: str, source: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{source}: {key}: expected a number, got {v!r}")
+    return float(v)
+
+
+def _rope_dict(text: dict[str, Any]) -> dict[str, Any] | None:
+    """`rope_scaling` (transformers 4) or `rope_parameters` (transformers 5), whichever the config has."""
     rs = text.get("rope_scaling")
     if rs is None and isinstance(text.get("rope_parameters"), dict):
         rs = text["rope_parameters"]
+    return rs
+
+
+def _rope_theta(text: dict[str, Any], source: str) -> float:
+    """Top-level rope_theta or the rope dict's (transformers 4 reads the first, 5 the second: they must agree)."""
+    rs = _rope_dict(text)
+    inner = rs.get("rope_theta") if isinstance(rs, dict) else None
+    if "rope_theta" in text and inner is not None and text["rope_theta"] != inner:
+        raise ConfigError(f"{source}: rope_theta: {text['rope_theta']} at the top level, {inner} in the rope dict")
+    if "rope_theta" in text:
+        return _number(text["rope_theta"], "rope_theta", source)
+    return _number(HF_TEXT_DEFAULTS["rope_theta"] if inner is None else inner, "rope_theta", source)
+
+
+def _rope_scaling(text: dict[str, Any], max_position_embeddings: int, source: str) -> RopeScaling | None:
+    """YaRN parameters with transformers' defaults: original_max_position_embeddings falls back to
+    max_position_embeddings, beta_fast/beta_slow to 32/1 when absent or zero, mscale/mscale_all_dim unset."""
+    rs = _rope_dict(text)
     if rs is None:
         return None
+    if not isinstance(rs, dict):
+        raise ConfigError(f"{source}: rope_scaling: expected an object, got {rs!r}")
     kind = rs.get("type", rs.get("rope_type"))
     if kind in (None, "default") and "factor" not in rs:
         return None
     if kind != "yarn":
         raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported (only 'yarn' or none)")
-    try:
-        return RopeScaling(
-            factor=float(rs["factor"]),
-            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-            beta_fast=float(rs.get("beta_fast", 32.0)),
-            beta_slow=float(rs.get("beta_slow", 1.0)),
-            mscale=float(rs.get("mscale", 1.0)),
-            mscale_all_dim=float(rs.get("mscale_all_dim", 0.0)),
+
+    def bad(key, msg):
+        raise ConfigError(f"{source}: rope_scaling.{key}: {msg}")
+
+    if "factor" not in rs:
+        raise ConfigError(f"{source}: rope_scaling (yarn) lacks 'factor'")
+    factor = _number(rs["factor"], "rope_scaling.factor", source)
+    original = rs.get("original_max_position_embeddings", max_position_embeddings)
+    if isinstance(original, bool) or not isinstance(original, int):
+        bad("original_max_position_embeddings", f"expected an integer, got {original!r}")
+    top = text.get("original_max_position_embeddings")
+    if top is not None and top != original:
+        bad("original_max_position_embeddings", f"{original}, but {top} at the top level")
+    mscale, mscale_all_dim = (rs.get(k) or 0.0 for k in ("mscale", "mscale_all_dim"))
+    if mscale_all_dim and not mscale:
+        bad(
+            "mscale",
+            "mscale_all_dim without mscale is not supported (transformers then scales cos/sin by factor alone, "
+            "DeepSeek's reference code with mscale=1)",
         )
-    except KeyError as e:
-        raise ConfigError(f"{source}: rope_scaling (yarn) lacks {e.args[0]!r}") from e
+    for key in ("partial_rotary_factor", "truncate"):
+        if rs.get(key, True) not in (1, True):
+            bad(key, f"{rs[key]!r} is not supported")
+    cfg = RopeScaling(
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=_number(rs.get("beta_fast") or 32.0, "rope_scaling.beta_fast", source),
+        beta_slow=_number(rs.get("beta_slow") or 1.0, "rope_scaling.beta_slow", source),
+        mscale=_number(mscale or 1.0, "rope_scaling.mscale", source),
+        mscale_all_dim=_number(mscale_all_dim, "rope_scaling.mscale_all_dim", source),
+    )
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is not None:
+        derived = (
+            yarn_mscale(factor, cfg.mscale) / yarn_mscale(factor, mscale_all_dim)
+            if mscale_all_dim
+            else yarn_mscale(factor)
+        )
+        if not math.isclose(_number(attention_factor, "rope_scaling.attention_factor", source), derived):
+            bad("attention_factor", f"{attention_factor} differs from {derived} derived from factor and mscale")
+    return cfg
 
 
 def _quant(q: dict[str, Any] | None, source: str) -> QuantConfig | None:
@@ -457,6 +573,11 @@ def _read_generation_eos(path) -> tuple[int, ...]:
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
 _DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 _REQUIRED = object()
+# transformers' Qwen3Config defaults (src/transformers/models/qwen3/configuration_qwen3.py, the same in v4.57.1 and
+# v5.24.0) for the drafter fields that take one: a DFlash config is a Qwen3 config. Shapes stay required (they must
+# match the drafter's weights and the target), and so do head_dim and num_key_value_heads: Qwen3Config's 128 and 32
+# are Qwen3-8B's, where an absent num_key_value_heads here means num_attention_heads.
+QWEN3_DRAFTER_DEFAULTS: dict[str, Any] = dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,9 +622,10 @@ class DrafterConfig:
 
     Fields the reference reads from `dflash_config` first, then from the top level: block_size, mask_token_id,
     target_layer_ids, output_multiplier, final_logit_softcapping, input_embedding_scale. When target_layer_ids is
-    absent it is derived from num_target_layers (`build_target_layer_ids`). Values the reference would honour but
-    k26jax does not (causal or sliding-window attention, biases, other activations, other rope types, DFlash2's
-    convs and selector) raise ConfigError naming the field.
+    absent it is derived from num_target_layers (`build_target_layer_ids`). An absent rms_norm_eps, rope_theta or
+    max_position_embeddings (for YaRN's original length) takes Qwen3Config's default. Values the reference would
+    honour but k26jax does not (causal or sliding-window attention, biases, other activations, other rope types,
+    DFlash2's convs and selector) raise ConfigError naming the field.
     """
 
     hidden_size: int
@@ -644,7 +766,7 @@ class DrafterConfig:
             num_key_value_heads=get("num_key_value_heads", int, None) or heads,
             head_dim=get("head_dim", int),
             intermediate_size=get("intermediate_size", int),
-            rms_norm_eps=get("rms_norm_eps", float),
+            rms_norm_eps=get("rms_norm_eps", float, QWEN3_DRAFTER_DEFAULTS["rms_norm_eps"]),
             rope=_drafter_rope(raw, bad),
             block_size=get("block_size", int, 16, in_dflash=True),
             target_layer_ids=tuple(layer_ids),
@@ -735,7 +857,7 @@ def _drafter_rope(raw: dict[str, Any], bad) -> DrafterRope:
         params, field = dict(raw.get("rope_scaling") or {}), "rope_scaling"
     if any(isinstance(v, dict) for v in params.values()):
         bad(field, "rope parameters per layer type are not supported")
-    theta = params.get("rope_theta", raw.get("rope_theta"))
+    theta = next((d["rope_theta"] for d in (params, raw) if "rope_theta" in d), QWEN3_DRAFTER_DEFAULTS["rope_theta"])
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
         bad("rope_theta", f"required number, got {theta!r}")
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
@@ -746,7 +868,7 @@ def _drafter_rope(raw: dict[str, Any], bad) -> DrafterRope:
         return DrafterRope(theta=float(theta))
     if kind != "yarn":
         bad(field, f"rope type {kind!r} is not supported (only default or 'yarn')")
-    max_pos = raw.get("max_position_embeddings")
+    max_pos = raw.get("max_position_embeddings", QWEN3_DRAFTER_DEFAULTS["max_position_embeddings"])
     original = raw.get("original_max_position_embeddings", params.get("original_max_position_embeddings", max_pos))
     factor = params.get("factor")
     if original is None or (factor is None and max_pos is None):
