@@ -27,8 +27,9 @@ def _generate(args) -> int:
         tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else tok.encode(p) for p in args.prompt
     ]
     print(
-        f"[k26jax] {args.ckpt}: {model.cfg.num_hidden_layers} layers, method={args.method}, "
-        f"budget={args.budget}, backend={jax.default_backend()}",
+        f"[k26jax] {args.ckpt}: {model.cfg.num_hidden_layers} layers, method={args.method}"
+        + (f", budget={args.budget}" if args.method == "ddtree" else "")
+        + f", backend={jax.default_backend()}",
         file=sys.stderr,
     )
     single = len(prompts) == 1
@@ -54,10 +55,15 @@ def _generate(args) -> int:
         if rest:
             print(rest if single else f"[{i}] {rest}", end="" if single else "\n")
     s = result.stats
+    if s["steps"]:
+        speed = (
+            f"tau={s['tau']:.2f} (tokens per target pass; 1 = no speed-up), {s['tokens_per_s']:.1f} tok/s decode, "
+            f"step compile {s['compile_s']:.2f}s"
+        )
+    else:
+        speed = "no decode step ran (the prefill gives the first token)"
     print(
-        f"\n[k26jax] {s['new_tokens']} tokens in {s['steps']} steps, tau={s['tau']:.2f} (tokens per target pass; "
-        f"1 = no speed-up), {s['tokens_per_s']:.1f} tok/s decode, prefill {s['prefill_s']:.2f}s, "
-        f"step compile {s['compile_s']:.2f}s",
+        f"\n[k26jax] {s['new_tokens']} tokens in {s['steps']} steps, {speed}, prefill {s['prefill_s']:.2f}s",
         file=sys.stderr,
     )
     return 0

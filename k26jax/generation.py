@@ -28,6 +28,8 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _prepare(model: Model, prompts, max_new_tokens: int, sc: engine.StepConfig, max_len: int | None):
+    if isinstance(prompts, str):
+        prompts = [prompts]
     if not prompts:
         raise ValueError("prompts: need at least one prompt")
     rows = []
@@ -69,7 +71,8 @@ def generate(
     on_tokens: Callable[[int, list[int]], None] | None = None,
     drafter: engine.Drafter | None = None,
 ) -> Result:
-    """Decode a batch of prompts (token-id lists, or strings when the checkpoint has a tokenizer).
+    """Decode a batch of prompts (token-id lists, or strings when the checkpoint has a tokenizer; one string is one
+    prompt).
 
     loop="python" steps from Python and streams new tokens to on_tokens(index, ids); loop="while" runs every
     step inside one lax.while_loop. `drafter` replaces the model's DFlash drafter (an `engine.Drafter`, e.g. an
