@@ -277,7 +277,7 @@ def test_eight_devices_equal_one_device(tiny, expert_mode):
         (lambda c: c.update(scoring_func="softmax"), "scoring_func"),
         (lambda c: c.update(topk_method="greedy"), "topk_method"),
         (lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling type 'linear'"),
-        (lambda c: c.pop("kv_lora_rank"), "'kv_lora_rank' is missing"),
+        (lambda c: c.update(kv_lora_rank=None), "kv_lora_rank: expected an integer, got None"),
         (lambda c: c.update(n_group=3), "n_group"),
     ],
 )
