@@ -4,6 +4,8 @@ One step is one jitted XLA program with donated state and no host round trip:
   draft -> top-K -> tree_build -> target verify over the tree -> per-node choice -> tree_accept -> commit.
 AR is the degenerate tree {root}; chain DFlash is top-1 per depth (K = 1, B = L).
 
+The step holds the parameters as plain trees (donation and sharding see arrays) and wraps them in the NNX modules
+(`K2Model`, `DFlashDrafter`, `from_params`) at its boundary to run their forward methods.
 `Decoder` is the one place that compiles it (jit, donation, XLA options); every caller goes through it. What a
 step drafts and how it accepts are two small protocols (`DFlashDraft`, `TreeAccept` by default), so tests and
 benchmarks swap them in through the Decoder instead of patching the engine.
@@ -115,14 +117,16 @@ def prefill(
     """Prompts (right-padded) -> state holding their cache, drafter context and the first token."""
     C, T = ids_CT.shape
     layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None else ()
-    logits, rows, feats = target.forward_prefill(params, cfg, ids_CT, lengths_C, impls, layer_ids)
+    logits, rows, feats = target.K2Model.from_params(cfg, params).prefill(ids_CT, lengths_C, impls, layer_ids)
     cache = kc.write_prefill(kc.init_cache(cfg, C, max_len, rows.dtype), rows, lengths_C)
     last = jnp.take_along_axis(logits, (lengths_C - 1)[:, None, None], axis=1)[:, 0]
     key, sub = jax.random.split(key)
     first = choose(last[:, None], sub, sc)[:, 0]
     if dcfg is not None and sc.method != "ar":
         ctx_feats = jnp.concatenate(list(feats), axis=-1)  # [C, T, n*D]
-        ctx_k, ctx_v = drafter_lib.context_kv(dparams, dcfg, ctx_feats, jnp.broadcast_to(jnp.arange(T), (C, T)))
+        ctx_k, ctx_v = drafter_lib.DFlashDrafter.from_params(dcfg, dparams).context_kv(
+            ctx_feats, jnp.broadcast_to(jnp.arange(T), (C, T))
+        )
         pad = [(0, 0), (0, 0), (0, 0), (0, max_len - T), (0, 0)]
         ctx_k, ctx_v = jnp.pad(ctx_k, pad), jnp.pad(ctx_v, pad)
     else:
@@ -165,9 +169,7 @@ class DFlashDraft:
     """The DFlash drafter over its context cache (the default)."""
 
     def propose(self, params, dparams, state, *, cfg, dcfg, sc):
-        return drafter_lib.draft_block(
-            dparams,
-            dcfg,
+        return drafter_lib.DFlashDrafter.from_params(dcfg, dparams).draft_block(
             params["embed"],
             params["lm_head"],
             state.ctx_k,
@@ -235,8 +237,9 @@ def step(
     )
     visibility = ops.visibility_from_parents(parents, max_depth=L)
     layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None and L else ()
-    logits, tail_rows, feats = target.forward_tail(
-        params, cfg, ids, positions, state.cache.rows, state.cache.lengths, visibility, impls, layer_ids
+    model = target.K2Model.from_params(cfg, params)
+    logits, tail_rows, feats = model.verify(
+        ids, positions, state.cache.rows, state.cache.lengths, visibility, impls, layer_ids
     )
     post = choose(logits, k_choice, sc)  # [C, B+1]
     if sc.method == "ar":
@@ -261,7 +264,8 @@ def commit(
     ctx_k, ctx_v, ctx_len = state.ctx_k, state.ctx_v, state.ctx_len
     if feats.shape[0] and ctx_k.shape[0]:
         path_feats = kc.gather_path(jnp.concatenate(list(feats), axis=-1), path_CP)  # [C, P, n*D]
-        new_k, new_v = drafter_lib.context_kv(dparams, dcfg, path_feats, state.cache.lengths[:, None] + j)
+        drafter = drafter_lib.DFlashDrafter.from_params(dcfg, dparams)
+        new_k, new_v = drafter.context_kv(path_feats, state.cache.lengths[:, None] + j)
         c = jnp.broadcast_to(jnp.arange(path_CP.shape[0])[:, None], path_CP.shape)
         pos = jnp.where(j < n[:, None], ctx_len[:, None] + j, ctx_k.shape[3])
         rows_first = lambda x: x.transpose(1, 3, 0, 2, 4)  # [n, C, Hkv, P, K] -> the index's [C, P, n, Hkv, K]

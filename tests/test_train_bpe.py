@@ -12,6 +12,7 @@ pytest.importorskip("tokenizers")
 from tokenizers import pre_tokenizers  # noqa: E402
 
 from convert import make_tiny  # noqa: E402
+from k26jax import hf as k26hf  # noqa: E402
 from k26jax.tokenizer import Tokenizer  # noqa: E402
 from k26jax.train import bpe, corpus  # noqa: E402
 
@@ -30,10 +31,10 @@ def trained(tmp_path_factory):
     texts = corpus.read_texts(train_files[::25][:20])
     held_texts = corpus.read_texts(held_files)
     held = [t for t in held_texts if not t.isascii()][:1] + [t for t in held_texts if len(t) < 20000][:4]
-    hf = bpe.train_hf_bpe(texts, V - make_tiny.NUM_SPECIAL)
+    hf = bpe.train_hf_bpe(texts, V - k26hf.NUM_SPECIAL)
     ranks = bpe.hf_ranks(hf)
     out = tmp_path_factory.mktemp("tok")
-    bpe.write_tokenizer(str(out), ranks, make_tiny.special_tokens(V))
+    k26hf.write_tokenizer(str(out), ranks, k26hf.special_tokens(V))
     return hf, ranks, out, Tokenizer(str(out)), held
 
 
@@ -58,7 +59,7 @@ def test_tiktoken_encodes_exactly_as_the_trainer(trained):
     hf, ranks, _, tok, held = trained
     texts = held + EXTRA
     assert any(not t.isascii() for t in held)
-    hf_encode = bpe.hf_encoder(hf, ranks, make_tiny.special_tokens(V))
+    hf_encode = bpe.hf_encoder(hf, ranks, k26hf.special_tokens(V))
     for text in texts:
         ids = tok.encode(text)
         assert ids == hf_encode(text)
@@ -92,9 +93,9 @@ def test_config_matches_make_tiny_format(trained, tmp_path):
 
 def test_write_tokenizer_rejects_bad_ranks(tmp_path):
     with pytest.raises(ValueError, match="collides"):
-        bpe.write_tokenizer(str(tmp_path), {bytes([b]): b for b in range(256)}, {100: "[BOS]"})
+        k26hf.write_tokenizer(str(tmp_path), {bytes([b]): b for b in range(256)}, {100: "[BOS]"})
     with pytest.raises(ValueError, match="0..len"):
-        bpe.write_tokenizer(str(tmp_path), {b"a": 0, b"b": 2})
+        k26hf.write_tokenizer(str(tmp_path), {b"a": 0, b"b": 2})
 
 
 def test_token_arrays_are_the_tokenizers_encoding(trained, tmp_path):

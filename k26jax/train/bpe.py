@@ -15,14 +15,13 @@ sees or emits it.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import sys
 import time
 from collections.abc import Callable
 
-from convert.make_tiny import CHAT_TEMPLATE, K2_SPECIAL_TOKENS, NUM_SPECIAL, special_tokens
+from k26jax.hf import NUM_SPECIAL, special_tokens, write_tokenizer
 from k26jax.tokenizer import KIMI_PAT_STR
 from k26jax.train import corpus
 
@@ -103,50 +102,6 @@ def hf_encoder(hf, ranks: dict[bytes, int], specials: dict[int, str]) -> Callabl
     for token, hf_id in hf.get_vocab(with_added_tokens=True).items():
         to_id[hf_id] = by_content[token] if token in by_content else ranks[_token_bytes(token, table)]
     return lambda text: [to_id[i] for i in hf.encode(text, add_special_tokens=False).ids]
-
-
-def tokenizer_config(specials: dict[int, str]) -> dict:
-    """tokenizer_config.json of a K2.6 checkpoint: the added (special) tokens, role tokens and chat template."""
-    return {
-        "added_tokens_decoder": {
-            str(i): {
-                "content": t,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for i, t in sorted(specials.items())
-        },
-        "additional_special_tokens": [t for t in K2_SPECIAL_TOKENS.values() if not t.startswith("[")],
-        "bos_token": "[BOS]",
-        "eos_token": "[EOS]",
-        "pad_token": "[PAD]",
-        "unk_token": "[UNK]",
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 1048576,
-        "tokenizer_class": "TikTokenTokenizer",
-        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-    }
-
-
-def write_tokenizer(out_dir: str, ranks: dict[bytes, int], specials: dict[int, str] | None = None) -> None:
-    """out_dir/tiktoken.model (`base64(token bytes) rank` lines in rank order) and out_dir/tokenizer_config.json;
-    specials default to K2's 256 at the top of a vocabulary of len(ranks) + 256 ids."""
-    specials = special_tokens(len(ranks) + NUM_SPECIAL) if specials is None else specials
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError("ranks must be exactly 0..len(ranks)-1")
-    if min(specials) < len(ranks):
-        raise ValueError(f"special id {min(specials)} collides with the {len(ranks)} BPE ranks")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "tiktoken.model"), "w") as f:
-        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tokenizer_config(specials), f, indent=2)
-        f.write("\n")
 
 
 def main(argv=None) -> None:
