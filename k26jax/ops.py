@@ -8,8 +8,10 @@ are left to XLA's SPMD partitioner. No math lives here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from k26jax import sharded_kernels
@@ -78,7 +80,7 @@ def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
     if impls.moe == "reference":
         return int4_moe_gemm.fused_moe_reference(*args, layer=layer)
     if impls.sharded:
-        return sharded_kernels.fused_moe_sharded(
+        return fused_moe_sharded(
             impls.mesh, mode=impls.expert_mode, impl="pallas", interpret=impls.interpret, stacked=True
         )(*args, layer)
     return int4_moe_gemm.fused_moe(*args, interpret=impls.interpret, layer=layer)
@@ -97,10 +99,43 @@ def mla_attention(q_lat, q_rope, cache, prefix_len, tail_rows, visibility, *, sc
     if impls.attention == "reference":
         return mla_kernel.tree_mla_attention_reference(*args, scale=scale, layer=layer)
     if impls.sharded:
-        return sharded_kernels.tree_mla_attention_sharded(impls.mesh, impl="pallas", interpret=impls.interpret)(
+        return tree_mla_attention_sharded(impls.mesh, impl="pallas", interpret=impls.interpret)(
             *args, scale=scale, layer=layer
         )
     return mla_kernel.tree_mla_attention(*args, scale=scale, layer=layer, interpret=impls.interpret)
+
+
+def fused_moe_sharded(mesh: Mesh, *, mode="ep", impl="pallas", interpret=False, tiling=None, stacked=False):
+    """int4_moe_gemm.fused_moe (or its reference) over the experts of each device: see
+    sharded_kernels.shard_experts for the layout and the returned function."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    sharded_kernels.check_mesh(mesh)
+    if impl == "pallas":
+        local = functools.partial(
+            int4_moe_gemm.fused_moe,
+            tiling=tiling,
+            out_dtype=jnp.float32,
+            pair_rows_fp32=mode == "tp",
+            interpret=interpret,
+        )
+    else:
+        local = functools.partial(int4_moe_gemm.fused_moe_reference, out_dtype=jnp.float32)
+    return sharded_kernels.shard_experts(local, mesh, mode=mode, stacked=stacked)
+
+
+def tree_mla_attention_sharded(mesh: Mesh, *, impl: str = "pallas", interpret: bool = False, **block_knobs):
+    """tree_mla_attention (or its reference) with heads split over the mesh: see sharded_kernels.shard_heads."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    sharded_kernels.check_mesh(mesh)
+    if impl == "pallas":
+        attention = functools.partial(mla_kernel.tree_mla_attention, interpret=interpret, **block_knobs)
+    elif block_knobs:
+        raise ValueError(f"block knobs {sorted(block_knobs)} apply only to impl='pallas'")
+    else:
+        attention = mla_kernel.tree_mla_attention_reference
+    return sharded_kernels.shard_heads(attention, mesh)
 
 
 def draft_topk(draft_logits_CLV, k: int):

@@ -10,7 +10,7 @@ import pytest
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from k26jax import sharded_kernels
+from k26jax import ops, sharded_kernels
 from pallas_kernels import int4_moe_common
 from pallas_kernels import int4_moe_gemm as moe
 
@@ -227,7 +227,7 @@ def test_sharded_forms_equal_unsharded_reference(mode):
     ]
     tiling = moe.Tiling(block_n_gate_up=64, block_n_down=64, dequant="f32")
     for impl in ("reference", "pallas"):
-        f = sharded_kernels.fused_moe_sharded(mesh, mode=mode, impl=impl, interpret=True, tiling=tiling)
+        f = ops.fused_moe_sharded(mesh, mode=mode, impl=impl, interpret=True, tiling=tiling)
         assert rel_err(jax.jit(f)(*args), y_ref) < 1e-5
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from k26jax import sharded_kernels
+from k26jax import ops, sharded_kernels
 from pallas_kernels import int4_moe_common
 from pallas_kernels import int4_moe_gemm as moe
 from pallas_kernels import int4_moe_mosaic as mosaic
@@ -245,7 +245,7 @@ def test_sharded_forms_lower_with_the_mosaic_kernels(mode):
     ]
     with use_abstract_mesh(mesh):
         hlo = (
-            jax.jit(sharded_kernels.fused_moe_sharded(mesh, mode=mode, stacked=True))
+            jax.jit(ops.fused_moe_sharded(mesh, mode=mode, stacked=True))
             .trace(*args)
             .lower(lowering_platforms=("cuda",))
             .as_text()

@@ -11,7 +11,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, Mesh, use_abstract_mesh
 
 from k26jax import ddtree
-from k26jax.sharded_kernels import tree_mla_attention_sharded
+from k26jax.ops import tree_mla_attention_sharded
 from pallas_kernels import mla_prefix_mosaic, mla_splits
 from pallas_kernels.mla_splits import choose_num_splits, list_schedule_makespan, plan_makespan, plan_splits
 from pallas_kernels.tree_mla_attention import merge_groups, tree_mla_attention, tree_mla_attention_reference
