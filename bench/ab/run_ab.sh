@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Base tree: mkdir -p .ab/base && git archive 8cfe6cf k26jax pallas_kernels convert scripts | tar -x -C .ab/base
+# Run on the device with carry [".ab"]: bash bench/ab/run_ab.sh
 # The redesign's step A/B on one GPU: base (git archive 8cfe6cf in .ab/base) against this tree, alternating.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
