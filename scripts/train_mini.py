@@ -1,7 +1,7 @@
 """Train k26-mini (the K2.6 architecture, small) and its DFlash drafter on the Python standard library's source.
 
     python scripts/train_mini.py --out DIR [--stages all | tokenizer,target,...] [--resume | --overwrite]
-                                 [--smoke] [--seed 0] [--impl auto|reference] [--any-python]
+                                 [--smoke] [--seed 0] [--set KEY=VALUE ...] [--impl auto|reference] [--any-python]
 
 Stages, in order; each is resumable, marked done by DIR/<stage>/DONE.json, and fits one device command:
   tokenizer  (CPU) byte-level BPE of 4096 ids and the corpus token arrays      -> DIR/tokenizer, DIR/tokens
@@ -10,9 +10,9 @@ Stages, in order; each is resumable, marked done by DIR/<stage>/DONE.json, and f
                                                                                 -> DIR/quant/params (model layout)
   data       the INT4 target's own continuations of training-file prompts, T=0 and T=1 (engine AR) -> DIR/data
   drafter    DFlash (block 8, gamma 4) on that data until held-out tau stops rising -> DIR/drafter/params
-  eval       held-out loss, engine tau (chain and DDTree, T=0 and T=1), repetition rate -> DIR/eval/DONE.json
-  export     the checkpoint in the K2.6 on-disk format (the k26jax.hf writer), reloaded with k26jax.load: its
-             held-out loss must equal the training forward's                   -> DIR/hf
+  export     the checkpoint in the K2.6 on-disk format (k26jax.hf, make_tiny's writer) -> DIR/hf
+  eval       DIR/hf loaded with k26jax.load: its held-out loss must equal the training forward's (same INT4
+             weights); engine tau (chain and DDTree, T=0 and T=1), repetition rate -> DIR/eval/DONE.json
 An existing non-empty DIR is refused unless --resume (continue it; its settings must match) or --overwrite.
 DIR/run.json records the seed, the settings, the Python version and the corpus file list's hash. Files written
 are at most 16 MiB. --smoke shrinks every stage so the whole recipe runs on a CPU in minutes.
@@ -41,9 +41,10 @@ import jax.numpy as jnp  # noqa: E402
 from k26jax.train import dflash, loop, mini  # noqa: E402
 from k26jax.train import target as tt  # noqa: E402
 
-STAGES = ("tokenizer", "target", "quantize", "data", "drafter", "eval", "export")
+STAGES = ("tokenizer", "target", "quantize", "data", "drafter", "export", "eval")
 MAX_FILE_BYTES = 16 << 20
 EXPORT_SHARD_BYTES = 15 << 20
+LOSS_MATCH_NATS = 0.01  # loaded checkpoint vs training forward: bf16 noise is ~1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Settings:
     bias_rate: float = 1e-3
     save_every: int = 200
     eval_windows: int = 512
+    max_minutes: float = 8.0  # a training stage saves and ends early past this (one device command is 10 minutes)
     # quantize
     qat_threshold: float = 0.05
     qat_steps: int = 200
@@ -71,7 +73,7 @@ class Settings:
     prompt_len: int = 64
     new_tokens: int = 192
     train_prompts: int = 4096  # per temperature
-    heldout_prompts: int = 256  # per temperature
+    heldout_data_prompts: int = 256  # per temperature, from held-out files (held-out tau)
     gen_batch: int = 4096
     # drafter
     d_batch: int = 64
@@ -91,33 +93,22 @@ class Settings:
 
 FULL = Settings()
 SMOKE = Settings(
-    vocab=768,
-    text_overrides=dict(
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-    ),
-    drafter_intermediate=96,
     files_limit=60,
     seq_len=64,
     batch=8,
-    target_steps=24,
+    target_steps=16,
     save_every=8,
     eval_windows=16,
-    qat_steps=4,
+    qat_steps=2,
     force_qat=True,
     prompt_len=16,
     new_tokens=24,
-    train_prompts=32,
-    heldout_prompts=8,
-    gen_batch=32,
+    train_prompts=16,
+    heldout_data_prompts=16,  # = train_prompts: the held-out generation reuses the compiled programs
+    gen_batch=16,
     d_batch=8,
     anchors=8,
-    d_max_steps=24,
+    d_max_steps=16,
     d_eval_every=8,
     patience=2,
     eval_prompts=4,
@@ -192,8 +183,25 @@ def _write_json(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
+def override(settings: Settings, pairs: list[str]) -> Settings:
+    """Settings with `--set key=value` changes, each value parsed as its field's type."""
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    changes = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        default = getattr(settings, key, None) if key in fields else None
+        if key not in fields or isinstance(default, dict) or not value:
+            die(f"--set {pair}: use key=value with key one of {', '.join(k for k in fields if k != 'text_overrides')}")
+        kind = type(default) if default is not None else int
+        try:
+            changes[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+        except ValueError:
+            die(f"--set {pair}: {value!r} is not a {kind.__name__}")
+    return dataclasses.replace(settings, **changes)
+
+
 def open_run(args) -> Run:
-    settings = SMOKE if args.smoke else FULL
+    settings = override(SMOKE if args.smoke else FULL, args.set)
     record = {"seed": args.seed, "smoke": args.smoke, "settings": dataclasses.asdict(settings)}
     run_json = os.path.join(args.out, "run.json")
     nonempty = os.path.isdir(args.out) and bool(os.listdir(args.out))
@@ -322,9 +330,11 @@ def stage_target(run: Run, args) -> None:
         tokens_per_step=s.batch * s.seq_len,
         log_path=run.path("target", "log.jsonl"),
         on_save=on_save,
+        max_seconds=60 * s.max_minutes,
     )
     loop.save_tree(run.path("target", "params"), tt.cast(state[0], jnp.bfloat16), meta)
-    run.mark_done("target", {"steps": meta["step"], "heldout_loss": meta["heldout_loss"]}, t0)
+    summary = {"steps": meta["step"], "heldout_loss": meta["heldout_loss"], "time_budget_hit": meta["time_budget_hit"]}
+    run.mark_done("target", summary, t0)
     shutil.rmtree(run.path("target", "state"), ignore_errors=True)
 
 
@@ -371,6 +381,7 @@ def quantization_aware_steps(run: Run, params):
         save_every=max(1, s.qat_steps // 2),
         tokens_per_step=s.batch * s.seq_len,
         log_path=run.path("quant", "log.jsonl"),
+        max_seconds=60 * s.max_minutes,
     )
     return state[0]
 
@@ -442,7 +453,7 @@ def stage_data(run: Run, args) -> None:
     model = _model(run, load_params(run.path("quant", "params"), quant_like(run)))
     eos = run.cfg.eos_token_ids[0]
     summary = {}
-    for split, n, seed in (("train", s.train_prompts, run.seed + 2), ("heldout", s.heldout_prompts, run.seed + 3)):
+    for split, n, seed in (("train", s.train_prompts, run.seed + 2), ("heldout", s.heldout_data_prompts, run.seed + 3)):
         tokens = np.load(run.path("tokens", f"{split}.npy"))
         prompts = sample_prompts(tokens, 2 * n, s.prompt_len, eos, seed)
         parts = [
@@ -469,7 +480,7 @@ def data_like(n: int, T: int):
 
 
 def load_data(run: Run, split: str) -> dict:
-    n = 2 * (run.s.train_prompts if split == "train" else run.s.heldout_prompts)
+    n = 2 * (run.s.train_prompts if split == "train" else run.s.heldout_data_prompts)
     tree, _ = loop.load_tree(run.path("data", split), data_like(n, run.s.prompt_len + run.s.new_tokens))
     return tree
 
@@ -479,7 +490,6 @@ def _batch(data: dict, idx) -> dict:
 
 
 def stage_drafter(run: Run, args) -> None:
-
     run.need("data")
     t0, s, dcfg = time.time(), run.s, run.dcfg
     q = load_params(run.path("quant", "params"), quant_like(run))
@@ -531,39 +541,78 @@ def stage_drafter(run: Run, args) -> None:
         log_path=run.path("drafter", "log.jsonl"),
         on_save=on_save,
         stop=lambda m: m.get("evals_since_best", 0) >= s.patience,
+        max_seconds=60 * s.max_minutes,
     )
     if os.path.isdir(run.path("drafter", "best")):  # absent when a kill came after this rename
         shutil.rmtree(run.path("drafter", "params"), ignore_errors=True)
         os.rename(run.path("drafter", "best"), run.path("drafter", "params"))
-    keys = ("best_tau", "best_step", "heldout_tau", "heldout_loss", "heldout_acc")
+    keys = ("best_tau", "best_step", "heldout_tau", "heldout_loss", "heldout_acc", "time_budget_hit")
     run.mark_done("drafter", dict({k: meta[k] for k in keys}, steps=meta["step"]), t0)
     shutil.rmtree(run.path("drafter", "state"), ignore_errors=True)
 
 
 def drafter_like(run: Run):
-    from k26jax.model import drafter as drafter_lib
+    return lambda: jax.tree.map(lambda a: a.astype(jnp.bfloat16), dflash.init_params(run.dcfg, 0))
 
-    return lambda: drafter_lib.init_params(run.dcfg, 0, dtype=jnp.bfloat16)
+
+def stage_export(run: Run, args) -> None:
+    """The checkpoint in the K2.6 on-disk format: the kimi_k25 wrapper config, compressed-tensors INT4 routed
+    experts, the tiktoken tokenizer, the DFlash drafter in drafter/ (k26jax.hf, make_tiny's writer)."""
+    from k26jax import hf
+
+    run.need("drafter")
+    t0, out, V = time.time(), run.path("hf"), run.s.vocab
+    q = jax.tree.map(np.asarray, load_params(run.path("quant", "params"), quant_like(run)))
+    dparams = jax.tree.map(np.asarray, load_params(run.path("drafter", "params"), drafter_like(run)))
+    shutil.rmtree(out, ignore_errors=True)
+    hf.write_target(
+        out,
+        run.text,
+        q,
+        shard_bytes=EXPORT_SHARD_BYTES,
+        generation_config={"bos_token_id": V - 256, "eos_token_id": V - 255, "pad_token_id": V - 1, "do_sample": False},
+    )
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        shutil.copy(run.path("tokenizer", name), os.path.join(out, name))
+    hf.write_drafter(os.path.join(out, "drafter"), run.dcfg, dparams, dtype="bfloat16")
+    sizes = {
+        os.path.relpath(os.path.join(d, f), out): os.path.getsize(os.path.join(d, f))
+        for d, _, fs in os.walk(out)
+        for f in fs
+    }
+    run.mark_done("export", {"total_bytes": sum(sizes.values()), "files": sizes}, t0)
 
 
 def stage_eval(run: Run, args) -> None:
+    """On the exported checkpoint, loaded as users load it: its held-out loss (reference kernels) must equal the
+    training forward's with the same INT4 weights; then tau of chain and DDTree decoding at T=0 and T=1."""
     import k26jax
+    from k26jax import ops
 
-    run.need("drafter")
+    run.need("export")
     t0, s = time.time(), run.s
+    windows = heldout_windows(run, s.seq_len, s.eval_windows)
+    loaded = _loaded_loss(k26jax.load(run.path("hf"), impls=ops.Impls()), windows, s.batch)
     q = load_params(run.path("quant", "params"), quant_like(run))
-    dparams = jax.tree.map(jnp.asarray, load_params(run.path("drafter", "params"), drafter_like(run)))
-    model = _model(run, q, dparams)
-    prompts = np.load(run.path("tokens", "heldout_prompts.npy"))[: s.eval_prompts, : s.eval_prompt_len].tolist()
+    train_fwd = tt.eval_loss(tt.from_inference(jax.tree.map(jnp.asarray, q)), run.cfg, windows, s.batch)
+    print(f"[eval] held-out loss: loaded checkpoint {loaded:.4f}, training forward {train_fwd:.4f}", flush=True)
+    if abs(loaded - train_fwd) > LOSS_MATCH_NATS:
+        die(f"eval: the loaded checkpoint's held-out loss {loaded:.4f} != the training forward's {train_fwd:.4f}")
     out = {
-        "heldout_loss_int4": run.done("quantize")["heldout_loss_int4"],
+        "heldout_loss_loaded": loaded,
+        "heldout_loss_training_forward": train_fwd,
+        "heldout_loss_bf16_before_int4": run.done("quantize")["heldout_loss_bf16"],
         "teacher_forced_tau": run.done("drafter")["best_tau"],
     }
-    greedy = {}
-    for method, budget in (("ar", 1), ("chain", run.dcfg.block_size - 1), ("ddtree", s.budget)):
-        for t in (0.0, 1.0):
-            if method == "ar" and t:
-                continue
+    model = k26jax.load(run.path("hf"), impls=run.impls())
+    prompts = np.load(run.path("tokens", "heldout_prompts.npy"))[: s.eval_prompts, : s.eval_prompt_len].tolist()
+    greedy, chain = {}, run.dcfg.block_size - 1
+    for method, budget, temperatures in (
+        ("ar", 1, (0.0,)),
+        ("chain", chain, (0.0, 1.0)),
+        ("ddtree", s.budget, (0.0, 1.0)),
+    ):
+        for t in temperatures:
             res = k26jax.generate(
                 model,
                 prompts,
@@ -583,56 +632,8 @@ def stage_eval(run: Run, args) -> None:
             }
             out[f"{method}_T{t:g}"] = row
             print(f"[eval] {method} T={t:g}: {row}", flush=True)
-    out["greedy_equals_ar"] = all(greedy[m] == greedy["ar"] for m in ("chain", "ddtree"))
+    out["greedy_equals_ar"] = {m: greedy[m] == greedy["ar"] for m in ("chain", "ddtree")}
     run.mark_done("eval", out, t0)
-
-
-def stage_export(run: Run, args) -> None:
-    import k26jax
-    from k26jax import ops
-
-    try:
-        from k26jax import hf
-    except ImportError:
-        die("k26jax.hf (the shared HF checkpoint writer) is not available yet; the export stage needs it")
-    run.need("drafter")
-    t0, s, out = time.time(), run.s, run.path("hf")
-    q = jax.tree.map(np.asarray, load_params(run.path("quant", "params"), quant_like(run)))
-    dparams = jax.tree.map(np.asarray, load_params(run.path("drafter", "params"), drafter_like(run)))
-    shutil.rmtree(out, ignore_errors=True)
-    V = run.s.vocab
-    hf.write_target(
-        out,
-        run.text,
-        q,
-        shard_bytes=EXPORT_SHARD_BYTES,
-        generation_config={"bos_token_id": V - 256, "eos_token_id": V - 255, "pad_token_id": V - 1, "do_sample": False},
-    )
-    for name in ("tiktoken.model", "tokenizer_config.json"):
-        shutil.copy(run.path("tokenizer", name), os.path.join(out, name))
-    hf.write_drafter(os.path.join(out, "drafter"), run.dcfg, dparams, dtype="bfloat16")
-    sizes = {
-        os.path.relpath(os.path.join(d, f), out): os.path.getsize(os.path.join(d, f))
-        for d, _, fs in os.walk(out)
-        for f in fs
-    }
-    too_big = [f for f, n in sizes.items() if n > MAX_FILE_BYTES]
-    if too_big:
-        die(f"export: files over 16 MiB: {too_big}")
-    windows = heldout_windows(run, s.seq_len, s.eval_windows)
-    model = k26jax.load(out, impls=ops.Impls())
-    loaded = _loaded_loss(model, windows, s.batch)
-    train_fwd = tt.eval_loss(tt.from_inference(jax.tree.map(jnp.asarray, q)), run.cfg, windows, s.batch)
-    summary = {
-        "total_bytes": sum(sizes.values()),
-        "files": len(sizes),
-        "heldout_loss_loaded": loaded,
-        "heldout_loss_training_forward": train_fwd,
-        "difference": loaded - train_fwd,
-    }
-    if abs(loaded - train_fwd) > 0.01:
-        die(f"export: the loaded checkpoint's held-out loss {loaded:.4f} != the training forward's {train_fwd:.4f}")
-    run.mark_done("export", summary, t0)
 
 
 def _loaded_loss(model, windows: np.ndarray, batch: int) -> float:
@@ -650,8 +651,8 @@ RUNNERS = {
     "quantize": stage_quantize,
     "data": stage_data,
     "drafter": stage_drafter,
-    "eval": stage_eval,
     "export": stage_export,
+    "eval": stage_eval,
 }
 
 
@@ -663,6 +664,7 @@ def main(argv=None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="delete an existing --out and start over")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and steps: the whole recipe on a CPU")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change one setting")
     parser.add_argument("--impl", choices=("auto", "reference"), default="auto", help="engine kernels for decoding")
     parser.add_argument("--any-python", action="store_true", help="accept a stdlib that differs from data/'s list")
     args = parser.parse_args(argv)
@@ -672,7 +674,6 @@ def main(argv=None) -> None:
         die(f"--stages: unknown stage(s) {unknown}; use {', '.join(STAGES)}")
     if args.resume and args.overwrite:
         die("--resume and --overwrite exclude each other")
-    jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "k26jax_train_mini_cache"))
     run = open_run(args)
     for stage in STAGES:
         if stage not in stages:
@@ -685,7 +686,17 @@ def main(argv=None) -> None:
             RUNNERS[stage](run, args)
         except loop.NonFiniteLoss as e:
             die(str(e))
+        too_big = [
+            os.path.join(d, f)
+            for d, _, fs in os.walk(run.dir)
+            for f in fs
+            if os.path.getsize(os.path.join(d, f)) > MAX_FILE_BYTES
+        ]
+        if too_big:
+            die(f"[{stage}] wrote files over 16 MiB: {too_big}")
 
 
 if __name__ == "__main__":
+    # compiled programs persist across stages and resumed runs (the data and eval stages compile the engine)
+    jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "k26jax_train_mini_cache"))
     main()

@@ -2,7 +2,10 @@
 forward against the inference model, INT4 packing against k26jax's layout, the router-bias rule, a few training
 steps of each model, resumable checkpoints and the NaN stop."""
 
+import importlib
 import math
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -286,3 +289,33 @@ def test_save_tree_chunks_and_round_trips(tmp_path):
     back, meta = loop.load_tree(str(tmp_path / "t"), tree)
     assert meta == {"x": 1} and back["b"]["c"].dtype == jnp.bfloat16
     jax.tree.map(np.testing.assert_array_equal, back, jax.tree.map(np.asarray, tree))
+
+
+# ---- the driver ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def driver():
+    """scripts/train_mini.py as a module (scripts/ on sys.path while importing it)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    try:
+        return importlib.import_module("train_mini")
+    finally:
+        sys.path.pop(0)
+
+
+def test_driver_refuses_an_existing_out_dir(driver, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "something").write_text("x")
+    with pytest.raises(SystemExit):
+        driver.main(["--out", str(out), "--smoke", "--stages", "target"])
+    assert "exists and is not empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --resume needs the run's own run.json
+        driver.main(["--out", str(out), "--smoke", "--resume", "--stages", "target"])
+    assert "no run.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --overwrite starts over; target then needs the tokenizer stage
+        driver.main(["--out", str(out), "--smoke", "--overwrite", "--stages", "target"])
+    assert "stage 'tokenizer' has not finished" in capsys.readouterr().err
+    assert not (out / "something").exists() and (out / "run.json").is_file()
+    with pytest.raises(SystemExit):  # a resumed run keeps its settings
+        driver.main(["--out", str(out), "--smoke", "--resume", "--set", "target_steps=5", "--stages", "target"])
+    assert "other settings" in capsys.readouterr().err

@@ -251,15 +251,18 @@ def run(
     log_path: str | None = None,
     on_save: Callable[[int, object], dict | None] | None = None,
     stop: Callable[[dict], bool] | None = None,
+    max_seconds: float | None = None,
 ):
     """Train `state` (a pytree, e.g. (params, opt_state)) for steps [start, num_steps), start = the last
     checkpoint's step (0 when none).
 
     step_fn(state, batch, step) -> (state, metrics) with metrics["loss"] a scalar. Losses are checked every
     log_every steps and before every save. on_save(step, state) runs at each save (e.g. an evaluation); what it
-    returns is stored in the checkpoint's meta, and `stop(meta)` True ends the run there (early stopping).
-    Returns (state, meta of the last save).
+    returns is stored in the checkpoint's meta, and `stop(meta)` True ends the run there (early stopping). After
+    max_seconds of this call the run saves and ends early with meta["time_budget_hit"] True (a guard for a
+    bounded device command; a later call resumes). Returns (state, meta of the last save).
     """
+    t_end = None if max_seconds is None else time.perf_counter() + max_seconds
     start, meta = 0, {}
     if ckpt.latest() is not None:
         state, meta = ckpt.restore(state)
@@ -273,14 +276,19 @@ def run(
     for step in range(start, num_steps):
         state, metrics = step_fn(state, batch_fn(step), step)
         pending.append(metrics["loss"])
-        last, saving = step + 1 == num_steps, (step + 1) % save_every == 0
+        out_of_time = t_end is not None and time.perf_counter() > t_end
+        last, saving = step + 1 == num_steps or out_of_time, (step + 1) % save_every == 0
         if (step + 1) % log_every == 0 or last or saving or step == start:
             check_finite(name, first, jnp.stack(pending))
             pending, first = [], step + 1
             progress(step, metrics)
         if saving or last:
             meta = dict(meta, step=step + 1, **((on_save(step + 1, state) or {}) if on_save else {}))
+            meta["time_budget_hit"] = out_of_time
             ckpt.save(step + 1, state, meta)
+            if out_of_time:
+                print(f"[{name}] time budget of {max_seconds:.0f}s spent: stopping at step {step + 1}", flush=True)
+                break
             if stop is not None and stop(meta):
                 print(f"[{name}] stopping at step {step + 1}", flush=True)
                 break
