@@ -1,9 +1,10 @@
 """python -m convert --hf DIR --out DIR [--expert-sharding ep|tp] [--mesh N] [--dtype bfloat16|float32]
-                     [--drafter DIR] [--dry-run] [--resume] [--overwrite]
+                     [--drafter DIR | --no-drafter] [--dry-run] [--resume] [--overwrite]
 
-Converts a Hugging Face K2 / K2.5 / K2.6 checkpoint (and optionally a z-lab DFlash drafter) into a k26jax orbax
-checkpoint that `k26jax.load(OUT, mesh=...)` restores straight onto a mesh. See convert/converter.py for the
-streaming, resume and atomicity design.
+Converts a Hugging Face K2 / K2.5 / K2.6 checkpoint (and the z-lab DFlash drafter in its drafter/ directory, or
+the one --drafter names) into a k26jax orbax checkpoint that `k26jax.load(OUT, mesh=...)` restores straight onto a
+mesh, checking every chunk it reads against the sha256 recorded here. See convert/converter.py for the streaming,
+resume and atomicity design.
 """
 
 import argparse
@@ -31,10 +32,18 @@ def main(argv=None) -> int:
         default="bfloat16",
         help="dtype of float weights (INT4 experts, their bf16 scales and the fp32 router bias keep theirs)",
     )
-    p.add_argument("--drafter", help="z-lab DFlash drafter directory, converted into OUT/drafter")
+    drafter = p.add_mutually_exclusive_group()
+    drafter.add_argument(
+        "--drafter", help="z-lab DFlash drafter directory, converted into OUT/drafter (default: HF/drafter if present)"
+    )
+    drafter.add_argument("--no-drafter", action="store_true", help="convert no drafter, even if HF/drafter exists")
     p.add_argument("--dry-run", action="store_true", help="validate the source and print the plan; write nothing")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion (OUT.partial)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT (and discard any OUT.partial)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT if it is a k26jax checkpoint (and discard an OUT.partial of ours); never anything else",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     opts = Options(
@@ -43,11 +52,12 @@ def main(argv=None) -> int:
         expert_mode=a.expert_sharding,
         mesh=a.mesh,
         dtype=a.dtype,
-        drafter_dir=a.drafter,
+        drafter_dir=False if a.no_drafter else a.drafter,
         dry_run=a.dry_run,
         resume=a.resume,
         overwrite=a.overwrite,
         progress=not a.no_progress,
+        cli=True,
     )
     try:
         convert(opts)

@@ -7,19 +7,20 @@ Chunks are [1, *shard shape] for stacked leaves (one layer of one device's shard
 whole chunks, and re-writing one layer after a crash touches only that layer's chunk files); for the others (embed,
 lm_head, final norm) the shard shape with axis 0 cut into blocks of at most 64 MiB, which the converter writes whole.
 Arrays are stored uncompressed: INT4 words and bf16 weights barely compress, and zstd would cost the 2-core host
-more than the disk saves.
+more than the disk saves. It also makes each chunk file exactly its chunk's C-order bytes, which the converter hashes
+and k26jax.checkpoint reads and checks without tensorstore.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 
 import numpy as np
 import tensorstore as ts
 
-_ZARR_DTYPES = {"bfloat16": "bfloat16", "float32": "<f4", "int32": "<i4", "float16": "<f2"}
+from k26jax.checkpoint import ZARR_DTYPES
+
 _TS_CONTEXT = {
     "cache_pool": {"total_bytes_limit": 0},
     "data_copy_concurrency": {"limit": 2},
@@ -42,7 +43,7 @@ class ZarrTree:
                 "metadata": {
                     "shape": list(leaf["shape"]),
                     "chunks": list(leaf["chunks"]),
-                    "dtype": _ZARR_DTYPES[leaf["dtype"]],
+                    "dtype": ZARR_DTYPES[leaf["dtype"]],
                     "compressor": None,
                     "order": "C",
                 },
@@ -55,12 +56,6 @@ class ZarrTree:
         if tuple(target.shape) != array.shape:
             raise ValueError(f"{name}{list(index)}: writing shape {array.shape} into {tuple(target.shape)}")
         return target.write(array).commit
-
-    def read_rows(self, name: str, start: int, stop: int) -> Iterator[np.ndarray]:
-        """Rows [start, stop) of a leaf along axis 0, in blocks of whole chunks (bounded memory), C order."""
-        step = self.leaves[name]["chunks"][0]
-        for row in range(start, stop, step):
-            yield self.arrays[name][row : min(row + step, stop)].read().result()
 
     def write_orbax_metadata(self) -> None:
         """orbax's `_METADATA`: the tree structure and, per leaf, a jax.Array with its chunk as write shape."""

@@ -100,16 +100,21 @@ def load(
     dtype: str = "bfloat16",
     expert_mode: str = "ep",
     impls: ops.Impls | None = None,
+    verify: bool = True,
 ) -> Model:
     """Load a target (and optionally a DFlash drafter) from a HF directory or an orbax dir made by `convert`.
 
-    drafter: a directory, or None to use `path/drafter` when it exists, or False for none.
+    drafter: a directory, or None to use `path/drafter` when it exists, or False for none. verify: check each chunk
+    file of a converted checkpoint that this process reads against the sha256 its manifest records (False skips it).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: use one of {tuple(DTYPES)}")
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
+        what = (
+            "is a file, not a checkpoint directory" if os.path.exists(path) else "checkpoint directory does not exist"
+        )
+        raise FileNotFoundError(f"{path}: {what}")
     impls = impls or ops.Impls.auto(mesh, expert_mode)
     if _is_hf_dir(path):
         from k26jax import hf
@@ -119,7 +124,7 @@ def load(
     else:  # a converted checkpoint; restore refuses one without its COMPLETE marker
         from k26jax import checkpoint
 
-        cfg, params = checkpoint.restore(path, mesh=mesh, expert_mode=expert_mode, dtype=dtype)
+        cfg, params = checkpoint.restore(path, mesh=mesh, expert_mode=expert_mode, dtype=dtype, verify=verify)
     model = Model(cfg, params, impls, mesh, path=path)
     drafter_dir = os.path.join(path, "drafter") if drafter is None else drafter
     if drafter_dir and os.path.isdir(drafter_dir):

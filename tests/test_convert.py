@@ -1,5 +1,5 @@
-"""HF -> orbax converter and restore: round trip, INT4 relayout vs compressed-tensors, crash + resume, bad input,
-1-device -> 8-device restore."""
+"""HF -> orbax converter and restore: round trip, per-chunk checksums, INT4 relayout vs compressed-tensors, crash +
+resume, bad input, what --overwrite may replace, the drafter beside the checkpoint, 1-device -> 8-device restore."""
 
 import json
 import os
@@ -24,8 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "checkpoints", "tiny")
 
 
-def _convert(out, hf=TINY, **kw):
-    return converter.convert(converter.Options(hf_dir=hf, out=str(out), progress=False, **kw), log=lambda s: None)
+def _convert(out, hf=TINY, log=lambda s: None, **kw):
+    return converter.convert(converter.Options(hf_dir=hf, out=str(out), progress=False, **kw), log=log)
 
 
 def _same_bits(a, b):
@@ -60,11 +60,14 @@ def test_round_trip_equals_hf(converted, hf_tree):
     assert cfg == ModelConfig.from_hf_dir(TINY)
     _assert_trees_equal(params, hf_tree)
     manifest = checkpoint.read_manifest(converted)
-    for name, leaf in manifest["leaves"].items():  # checksums certify the restored bytes
-        arr = params
-        for key in name.split("."):
-            arr = arr[key]
-        assert converter.hashlib.sha256(np.ascontiguousarray(arr).view(np.uint8)).hexdigest() == leaf["sha256"]
+    assert manifest["format"] == checkpoint.FORMAT
+    flat = checkpoint.flatten_tree(hf_tree)
+    for name, leaf in manifest["leaves"].items():  # one sha256 per chunk file, of that chunk of the HF tree's leaf
+        files = sorted(f for f in os.listdir(os.path.join(converted, "params", name)) if not f.startswith("."))
+        assert sorted(leaf["chunk_sha256"]) == files
+        for key, digest in leaf["chunk_sha256"].items():
+            at = tuple(slice(int(i) * c, int(i) * c + c) for i, c in zip(key.split("."), leaf["chunks"]))
+            assert converter.hashlib.sha256(np.ascontiguousarray(flat[name][at]).view(np.uint8)).hexdigest() == digest
     assert manifest["skipped"]["vision_tower"]["tensors"] == 4
     for name in ("tiktoken.model", "tokenizer_config.json", "generation_config.json"):
         assert os.path.isfile(os.path.join(converted, name))
@@ -226,13 +229,14 @@ def test_resume_after_kill(tmp_path, converted, kill_after, finished):  # killed
     staging = out + converter.STAGING_SUFFIX
     assert not os.path.exists(out) and os.path.isdir(staging)
     journal = os.path.join(staging, converter.JOURNAL_FILE)
-    assert (open(journal).read().split("\n")[:-1] if os.path.exists(journal) else []) == [
-        json.dumps({"step": step}) for step in finished
-    ]
+    lines = open(journal).read().split("\n")[:-1] if os.path.exists(journal) else []
+    assert [json.loads(line)["step"] for line in lines] == finished
     with pytest.raises(checkpoint.IncompleteCheckpointError, match="--resume"):
         checkpoint.restore(staging)
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(FileExistsError, match=r"resume=True"):  # the Python interface's name for it
         _convert(out, drafter_dir=os.path.join(TINY, "drafter"))
+    run = _run_cli(["--hf", TINY, "--out", out])
+    assert run.returncode == 2 and "--resume" in run.stderr and "resume=True" not in run.stderr
     _convert(out, drafter_dir=os.path.join(TINY, "drafter"), resume=True)
     assert not os.path.exists(staging)
     for sub in ("", "drafter"):
@@ -325,14 +329,69 @@ def test_unknown_quantization_format(tmp_path, capsys):
 
 def test_existing_output_needs_overwrite(tmp_path, capsys, converted):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("user data")
+    shutil.copytree(converted, out)
+    (out / "params" / "embed" / "0.0").write_bytes(b"stale")
     assert convert_main(["--hf", TINY, "--out", str(out), "--no-progress"]) == 2
-    assert "--overwrite" in capsys.readouterr().err
-    assert os.listdir(out) == ["keep.txt"] and not os.path.exists(str(out) + converter.STAGING_SUFFIX)
+    assert "pass --overwrite" in capsys.readouterr().err
     assert convert_main(["--hf", TINY, "--out", str(out), "--no-progress", "--overwrite"]) == 0
-    assert not os.path.exists(out / "keep.txt")
     assert checkpoint.read_manifest(out)["leaves"] == checkpoint.read_manifest(converted)["leaves"]
+    checkpoint.restore(out)  # the stale chunk is gone
+
+
+@pytest.mark.parametrize("what", ["foreign dir", "file", "foreign partial"])
+def test_overwrite_refuses_what_is_not_ours(tmp_path, capsys, what):
+    """--overwrite replaces only a k26jax checkpoint or a conversion of ours: a directory of other files, a file,
+    or a foreign OUT.partial is refused before anything is written, and left as it was."""
+    out = tmp_path / "out"
+    victim = out.parent / (out.name + converter.STAGING_SUFFIX) if what == "foreign partial" else out
+    if what == "file":
+        out.write_text("user data")
+    else:
+        victim.mkdir()
+        (victim / "keep.txt").write_text("user data")
+        (victim / "manifest.json").write_text("{}")  # looks like a checkpoint, but has no COMPLETE of ours
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    for extra in ([], ["--resume"]):
+        assert convert_main(["--hf", TINY, "--out", str(out), "--no-progress", "--overwrite", *extra]) == 2
+        err = capsys.readouterr().err
+        assert str(victim) in err and "not a k26jax" in err, err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    with pytest.raises(FileExistsError, match="out="):  # the Python interface's name for it
+        _convert(out, overwrite=True)
+
+
+def test_empty_output_directory_is_used(tmp_path):
+    (tmp_path / "out").mkdir()
+    assert _convert(tmp_path / "out", drafter_dir=False)["drafter"] is False
+    assert not os.path.exists(tmp_path / "out" / "drafter")
+    checkpoint.read_manifest(tmp_path / "out")
+
+
+def test_drafter_beside_the_checkpoint_is_converted(tmp_path, capsys, converted):
+    """Without --drafter the converter takes HF/drafter and says so; --no-drafter skips it and says what that
+    leaves out; each message names the flag of the interface in use."""
+    out = str(tmp_path / "out")
+    assert convert_main(["--hf", TINY, "--out", out, "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert os.path.join(TINY, "drafter") in said and "--no-drafter" in said
+    got, want = (checkpoint.read_manifest(os.path.join(d, "drafter"))["leaves"] for d in (out, converted))
+    assert got == want
+    assert convert_main(["--hf", TINY, "--out", out + "2", "--no-progress", "--no-drafter"]) == 0
+    assert not os.path.exists(os.path.join(out + "2", "drafter"))
+    lines = []
+    assert _convert(tmp_path / "py", hf=_copy_tiny(tmp_path)[0], log=lines.append)["drafter"] is False
+    assert any("no drafter" in line and "drafter_dir='DIR'" in line for line in lines), lines
+    lines.clear()
+    _convert(tmp_path / "py2", log=lines.append)
+    assert any("drafter_dir=False skips it" in line for line in lines), lines
+
+
+def test_broken_drafter_beside_the_checkpoint_names_the_way_out(tmp_path, capsys):
+    hf, _ = _copy_tiny(tmp_path)
+    os.makedirs(os.path.join(hf, "drafter"))
+    assert convert_main(["--hf", hf, "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert os.path.join(hf, "drafter") in err and "--no-drafter skips it" in err, err
 
 
 def test_loader_refuses_tampered_or_partial(tmp_path, converted):
