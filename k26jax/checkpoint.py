@@ -178,11 +178,12 @@ class _Leaf:
         if bad:
             raise self.fail(path, f"{bad} where the manifest implies { ({k: want[k] for k in bad}) }")
 
-    def read_chunk(self, index: tuple[int, ...], stats: _Stats) -> np.ndarray:
-        """One chunk file as a chunk-shaped array, checked against its sha256 the first time it is read."""
+    def read_chunk(self, index: tuple[int, ...], stats: _Stats, into: np.ndarray | None = None) -> np.ndarray:
+        """One chunk file as a chunk-shaped array (read into `into`, a C-contiguous chunk-shaped array, if given),
+        checked against its sha256 the first time it is read."""
         key = chunk_key(index)
         path = os.path.join(self.dir, key)
-        buf = np.empty(self.chunk_bytes, np.uint8)
+        buf = np.empty(self.chunk_bytes, np.uint8) if into is None else into.reshape(-1).view(np.uint8)
         try:
             with open(path, "rb", buffering=0) as f:
                 size, view = 0, memoryview(buf)
@@ -209,13 +210,16 @@ class _Leaf:
         out = np.empty(tuple(b - a for a, b in region), self.dtype)
 
         def copy(index):
-            chunk = self.read_chunk(index, stats)
             dst, src = [], []
             for (a, b), i, c in zip(region, index, self.chunks):
                 lo, hi = max(a, i * c), min(b, i * c + c)
                 dst.append(slice(lo - a, hi - a))
                 src.append(slice(lo - i * c, hi - i * c))
-            out[tuple(dst)] = chunk[tuple(src)]
+            target = out[tuple(dst)]
+            if target.shape == self.chunks and target.flags.c_contiguous:  # the whole chunk, in one run of `out`
+                self.read_chunk(index, stats, into=target)
+            else:
+                target[...] = self.read_chunk(index, stats)[tuple(src)]
 
         futures = [pool.submit(copy, index) for index in chunks_in(region, self.chunks)]
         try:
