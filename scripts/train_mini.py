@@ -1,7 +1,8 @@
 """Train k26-mini (the K2.6 architecture, small) and its DFlash drafter on the Python standard library's source.
 
     python scripts/train_mini.py --out DIR [--stages all | tokenizer,target,...] [--resume | --overwrite]
-                                 [--smoke] [--seed 0] [--set KEY=VALUE ...] [--impl auto|reference] [--any-python]
+                                 [--smoke] [--seed 0] [--set KEY=VALUE ...] [--impl auto|reference]
+                                 [--max-minutes 8] [--any-python]
 
 Stages, in order; each is resumable, marked done by DIR/<stage>/DONE.json, and fits one device command:
   tokenizer  (CPU) byte-level BPE of 4096 ids and the corpus token arrays      -> DIR/tokenizer, DIR/tokens
@@ -63,7 +64,6 @@ class Settings:
     bias_rate: float = 1e-3
     save_every: int = 200
     eval_windows: int = 512
-    max_minutes: float = 8.0  # a training stage saves and ends early past this (one device command is 10 minutes)
     # quantize
     qat_threshold: float = 0.05
     qat_steps: int = 200
@@ -130,6 +130,7 @@ class Run:
     seed: int
     s: Settings
     impl: str
+    max_seconds: float  # a training stage saves and ends early past this (one device command is 10 minutes)
 
     def path(self, *parts) -> str:
         return os.path.join(self.dir, *parts)
@@ -220,7 +221,7 @@ def open_run(args) -> Run:
     if not os.path.isfile(run_json):
         record.update(created=time.strftime("%Y-%m-%d %H:%M:%S"), python_version=platform.python_version())
         _write_json(run_json, record)
-    return Run(args.out, args.seed, settings, args.impl)
+    return Run(args.out, args.seed, settings, args.impl, 60 * args.max_minutes)
 
 
 def _update_run_json(run: Run, **fields) -> None:
@@ -330,7 +331,7 @@ def stage_target(run: Run, args) -> None:
         tokens_per_step=s.batch * s.seq_len,
         log_path=run.path("target", "log.jsonl"),
         on_save=on_save,
-        max_seconds=60 * s.max_minutes,
+        max_seconds=run.max_seconds,
     )
     loop.save_tree(run.path("target", "params"), tt.cast(state[0], jnp.bfloat16), meta)
     summary = {"steps": meta["step"], "heldout_loss": meta["heldout_loss"], "time_budget_hit": meta["time_budget_hit"]}
@@ -381,7 +382,7 @@ def quantization_aware_steps(run: Run, params):
         save_every=max(1, s.qat_steps // 2),
         tokens_per_step=s.batch * s.seq_len,
         log_path=run.path("quant", "log.jsonl"),
-        max_seconds=60 * s.max_minutes,
+        max_seconds=run.max_seconds,
     )
     return state[0]
 
@@ -541,7 +542,7 @@ def stage_drafter(run: Run, args) -> None:
         log_path=run.path("drafter", "log.jsonl"),
         on_save=on_save,
         stop=lambda m: m.get("evals_since_best", 0) >= s.patience,
-        max_seconds=60 * s.max_minutes,
+        max_seconds=run.max_seconds,
     )
     if os.path.isdir(run.path("drafter", "best")):  # absent when a kill came after this rename
         shutil.rmtree(run.path("drafter", "params"), ignore_errors=True)
@@ -666,6 +667,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change one setting")
     parser.add_argument("--impl", choices=("auto", "reference"), default="auto", help="engine kernels for decoding")
+    parser.add_argument(
+        "--max-minutes", type=float, default=8.0, help="a training stage saves and stops after this long (default 8)"
+    )
     parser.add_argument("--any-python", action="store_true", help="accept a stdlib that differs from data/'s list")
     args = parser.parse_args(argv)
     stages = STAGES if args.stages == "all" else tuple(x.strip() for x in args.stages.split(","))
