@@ -271,6 +271,7 @@ def quant_like(run: Run):
 
 # ---- stages ----------------------------------------------------------------------------------------------
 def stage_tokenizer(run: Run, args) -> None:
+    from k26jax import hf
     from k26jax.tokenizer import Tokenizer
     from k26jax.train import bpe, corpus
 
@@ -282,7 +283,7 @@ def stage_tokenizer(run: Run, args) -> None:
     train_files, _ = corpus.split_files(files)
     print(f"[tokenizer] {len(files)} files ({len(train_files)} train); BPE of {run.s.vocab} ids ...", flush=True)
     ranks = bpe.train_bpe(corpus.read_texts(train_files), run.s.vocab)
-    bpe.write_tokenizer(run.path("tokenizer"), ranks)
+    hf.write_tokenizer(run.path("tokenizer"), ranks)
     if bpe.mask_token_id(run.s.vocab) != run.dcfg.mask_token_id:
         die(f"the tokenizer's MASK id {bpe.mask_token_id(run.s.vocab)} != the drafter's {run.dcfg.mask_token_id}")
     tokens = corpus.write_token_arrays(Tokenizer(run.path("tokenizer")), run.path("tokens"), files)
