@@ -260,22 +260,32 @@ def _restore_tree(
     total = sum(len(chunks_in(r, leaf.chunks)) * leaf.chunk_bytes for leaf, regions in leaves.values() for r in regions)
     mode = "verify" if verify and per_chunk else "no verify" if not verify else "verify leaves"
     kind = "drafter" if manifest.get("kind") == "drafter" else "target"
-    with concurrent.futures.ThreadPoolExecutor() as pool:
+
+    def want(name: str, leaf: _Leaf) -> np.dtype:
+        castable = jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating) and name not in fixed
+        return np.dtype(DTYPES[dtype]) if dtype is not None and castable else leaf.dtype
+
+    reads = [
+        (name, leaf, region, devices) for name, (leaf, regions) in leaves.items() for region, devices in regions.items()
+    ]
+    with concurrent.futures.ThreadPoolExecutor() as pool, concurrent.futures.ThreadPoolExecutor(1) as ahead:
         if verify and not per_chunk:
             _verify_whole_leaves([leaf for leaf, _ in leaves.values()], manifest, pool, progress)
-        start, tree = time.perf_counter(), {}
+        start, tree, shards = time.perf_counter(), {}, {}
         with _bar(total, f"load {kind} ({mode})", progress) as bar:
             stats = _Stats(bar)
-            for name, (leaf, regions) in leaves.items():
-                castable = jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating) and name not in fixed
-                want = np.dtype(DTYPES[dtype]) if dtype is not None and castable else leaf.dtype
-                shards = []
-                for region, devices in regions.items():
-                    host = leaf.read(region, pool, stats).astype(want, copy=False)
-                    shards += [jax.device_put(host, d) for d in devices]
-                _set(
-                    tree, name.split("."), jax.make_array_from_single_device_arrays(leaf.shape, shardings[name], shards)
-                )
+
+            def fetch(k: int):  # region k, read while the one before is copied to its devices
+                name, leaf, region, _ = reads[k]
+                return leaf.read(region, pool, stats).astype(want(name, leaf), copy=False)
+
+            pending = ahead.submit(fetch, 0) if reads else None
+            for k, (name, leaf, _, devices) in enumerate(reads):
+                host, pending = pending.result(), ahead.submit(fetch, k + 1) if k + 1 < len(reads) else None
+                shards.setdefault(name, []).extend(jax.device_put(host, d) for d in devices)
+                if k + 1 == len(reads) or reads[k + 1][0] != name:
+                    arr = jax.make_array_from_single_device_arrays(leaf.shape, shardings[name], shards.pop(name))
+                    _set(tree, name.split("."), arr)
     seconds = time.perf_counter() - start
     rate = f"{total / 1e6:.1f} MB in {seconds:.2f} s ({total / 1e6 / max(seconds, 1e-9):.0f} MB/s)"
     if verify and per_chunk:
