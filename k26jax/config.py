@@ -285,6 +285,29 @@ TINY_TEXT_CONFIG: dict[str, Any] = dict(
     pad_token_id=1023,
 )
 
+# k26-mini: the K2.6 architecture at CPU size (the embedded trained pair, k26jax/train/mini.py); the INT4
+# checkpoint plus its drafter stays under 25 MB. Its 4096 ids end in K2's 256 special tokens.
+MINI_TEXT_CONFIG: dict[str, Any] = dict(
+    K26_TEXT_CONFIG,
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    bos_token_id=3840,
+    eos_token_id=3841,
+    pad_token_id=4095,
+)
+
 QUANT_CONFIG: dict[str, Any] = {
     "quant_method": "compressed-tensors",
     "format": "pack-quantized",
@@ -309,15 +332,17 @@ QUANT_CONFIG: dict[str, Any] = {
 
 
 def preset_text_config(name: str) -> dict[str, Any]:
-    """The text config dict of a preset: `k26`, `k26-depthN` (full width, N layers) or `tiny`."""
+    """The text config dict of a preset: `k26`, `k26-depthN` (full width, N layers), `k26-mini` or `tiny`."""
     if name == "k26":
         return dict(K26_TEXT_CONFIG)
     if name == "tiny":
         return dict(TINY_TEXT_CONFIG)
+    if name == "k26-mini":
+        return dict(MINI_TEXT_CONFIG)
     m = re.fullmatch(r"k26-depth(\d+)", name)
     if m and int(m.group(1)) >= 1:
         return dict(K26_TEXT_CONFIG, num_hidden_layers=int(m.group(1)))
-    raise ConfigError(f"unknown preset {name!r}: use 'k26', 'k26-depthN' (N >= 1) or 'tiny'")
+    raise ConfigError(f"unknown preset {name!r}: use 'k26', 'k26-depthN' (N >= 1), 'k26-mini' or 'tiny'")
 
 
 def preset(name: str) -> ModelConfig:

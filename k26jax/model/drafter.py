@@ -114,7 +114,7 @@ def _apply_rope(x_BTNK, cos_BTK, sin_BTK):
 
 
 # ---- layer pieces ------------------------------------------------------------------------------------------
-def _kv(attn, cfg: DrafterConfig, x_BTD, cos_BTK, sin_BTK):
+def layer_kv(attn, cfg: DrafterConfig, x_BTD, cos_BTK, sin_BTK):
     """One layer's roped k and v, head-major [B,Hkv,T,K] as the context cache holds them, for hidden rows x
     (context rows or the normed block)."""
     k = rms_norm(mm("btd,dmk->btmk", x_BTD, attn["k"]), attn["k_norm"], cfg.rms_norm_eps)
@@ -144,18 +144,18 @@ def _attend(q_BQNK, k_ctx_BMSK, v_ctx_BMSK, k_blk_BMbK, v_blk_BMbK, visible_BS=N
     return o_BMGQK.astype(q_BQNK.dtype).transpose(0, 3, 1, 2, 4).reshape(B, Q, N, K)
 
 
-def _layer(layer, cfg: DrafterConfig, h_BbD, cos_BbK, sin_BbK, attend):
+def decoder_layer(layer, cfg: DrafterConfig, h_BbD, cos_BbK, sin_BbK, attend):
     """One pre-norm decoder layer over the block; attend(q, k_block, v_block) adds the context keys."""
     attn = layer["attn"]
     x = rms_norm(h_BbD, layer["input_norm"], cfg.rms_norm_eps)
     q = rms_norm(mm("btd,dnk->btnk", x, attn["q"]), attn["q_norm"], cfg.rms_norm_eps)
     q = _apply_rope(q, cos_BbK, sin_BbK)
-    k_block, v_block = _kv(attn, cfg, x, cos_BbK, sin_BbK)
+    k_block, v_block = layer_kv(attn, cfg, x, cos_BbK, sin_BbK)
     h = h_BbD + mm("btnk,nkd->btd", attend(q, k_block, v_block), attn["o"])
     return h + swiglu_mlp(layer["mlp"], rms_norm(h, layer["post_attn_norm"], cfg.rms_norm_eps))
 
 
-def _context(params, cfg: DrafterConfig, context_features_BTF):
+def fused_context(params, cfg: DrafterConfig, context_features_BTF):
     _check_last_dim(context_features_BTF, cfg.context_dim, "context_features")
     x = context_features_BTF.astype(params["fc"].dtype)
     return rms_norm(mm("btf,fd->btd", x, params["fc"]), params["hidden_norm"], cfg.rms_norm_eps)
@@ -172,7 +172,7 @@ def _block_embeddings(params, cfg: DrafterConfig, embed_VD, bonus_ids_B):
     return (embed_VD[ids] * cfg.input_embedding_scale).astype(params["fc"].dtype)
 
 
-def _logits(params, cfg: DrafterConfig, lm_head_DV, h_BbD):
+def block_logits(params, cfg: DrafterConfig, lm_head_DV, h_BbD):
     """Rows 1..b-1: lm_head(norm(h)) * output_multiplier, softcapped -> float32 [B, b-1, V]."""
     if lm_head_DV.ndim != 2 or lm_head_DV.shape[0] != cfg.hidden_size:
         raise ValueError(f"lm_head_DV: expected [{cfg.hidden_size}, V], got {lm_head_DV.shape}")
@@ -196,7 +196,7 @@ def draft_logits(params, cfg: DrafterConfig, embed_VD, lm_head_DV, context_featu
 
     The block [bonus, MASK x (b-1)] sits at positions Tc..Tc+b-1 and attends to all context rows and itself.
     """
-    return _logits(params, cfg, lm_head_DV, _full_forward(params, cfg, embed_VD, context_features, bonus_ids)[-1])
+    return block_logits(params, cfg, lm_head_DV, _full_forward(params, cfg, embed_VD, context_features, bonus_ids)[-1])
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
@@ -208,7 +208,7 @@ def draft_hidden_states(params, cfg: DrafterConfig, embed_VD, context_features, 
 
 def _full_forward(params, cfg: DrafterConfig, embed_VD, context_features, bonus_ids):
     """Every layer's block output [n, B, b, D], context at positions 0..Tc-1 and the block after it."""
-    ctx_BTD = _context(params, cfg, context_features)
+    ctx_BTD = fused_context(params, cfg, context_features)
     B, Tc, _ = ctx_BTD.shape
     h = _block_embeddings(params, cfg, embed_VD, bonus_ids)
     if h.shape[0] != B:
@@ -216,9 +216,9 @@ def _full_forward(params, cfg: DrafterConfig, embed_VD, context_features, bonus_
     cos, sin = rope_cos_sin(cfg, jnp.broadcast_to(jnp.arange(Tc + cfg.block_size), (B, Tc + cfg.block_size)))
 
     def body(h, layer):
-        k_ctx, v_ctx = _kv(layer["attn"], cfg, ctx_BTD, cos[:, :Tc], sin[:, :Tc])
+        k_ctx, v_ctx = layer_kv(layer["attn"], cfg, ctx_BTD, cos[:, :Tc], sin[:, :Tc])
         attend = lambda q, k, v: _attend(q, k_ctx, v_ctx, k, v)
-        h = _layer(layer, cfg, h, cos[:, Tc:], sin[:, Tc:], attend)
+        h = decoder_layer(layer, cfg, h, cos[:, Tc:], sin[:, Tc:], attend)
         return h, h
 
     return jax.lax.scan(body, h, params["layers"])[1]
@@ -231,12 +231,12 @@ def context_kv(params, cfg: DrafterConfig, context_features, positions):
 
     k is k_norm'ed and roped; both are in the parameters' dtype.
     """
-    ctx_BTD = _context(params, cfg, context_features)
+    ctx_BTD = fused_context(params, cfg, context_features)
     if positions.shape != ctx_BTD.shape[:2]:
         raise ValueError(f"positions: expected {ctx_BTD.shape[:2]}, got {positions.shape}")
     cos, sin = rope_cos_sin(cfg, positions)
     # a loop, not vmap: XLA would turn the vmapped dot into one GEMM over a transposed copy of all layers' weights
-    return jax.lax.map(lambda attn: _kv(attn, cfg, ctx_BTD, cos, sin), params["layers"]["attn"])
+    return jax.lax.map(lambda attn: layer_kv(attn, cfg, ctx_BTD, cos, sin), params["layers"]["attn"])
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
@@ -260,10 +260,10 @@ def draft_block(params, cfg: DrafterConfig, embed_VD, lm_head_DV, ctx_k, ctx_v, 
     def body(h, xs):
         layer, k_ctx, v_ctx = xs
         attend = lambda q, k, v: _attend(q, k_ctx, v_ctx, k, v, visible)
-        return _layer(layer, cfg, h, cos, sin, attend), None
+        return decoder_layer(layer, cfg, h, cos, sin, attend), None
 
     h, _ = jax.lax.scan(body, h, (params["layers"], ctx_k, ctx_v))
-    return _logits(params, cfg, lm_head_DV, h)
+    return block_logits(params, cfg, lm_head_DV, h)
 
 
 # ---- sharding --------------------------------------------------------------------------------------------

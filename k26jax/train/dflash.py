@@ -97,7 +97,7 @@ def draft_logits(params, cfg: DrafterConfig, embed_VD, lm_head_DV, features_BTF,
     features_BTF: the target's hidden states at cfg.target_layer_ids, concatenated, for positions 0..T-1."""
     B, T = ids_BT.shape
     A, b = anchors_BA.shape[1], cfg.block_size
-    ctx_BTD = D._context(params, cfg, features_BTF)
+    ctx_BTD = D.fused_context(params, cfg, features_BTF)
     block_ids = jnp.full((B, A, b), cfg.mask_token_id, jnp.int32)
     block_ids = block_ids.at[..., 0].set(jnp.take_along_axis(ids_BT, anchors_BA, axis=1))
     h = (embed_VD[block_ids] * cfg.input_embedding_scale).astype(params["fc"].dtype).reshape(B, A * b, -1)
@@ -106,12 +106,12 @@ def draft_logits(params, cfg: DrafterConfig, embed_VD, lm_head_DV, features_BTF,
     visible = jnp.arange(T)[None, None] < anchors_BA[..., None]
 
     def body(h, layer):
-        k_ctx, v_ctx = D._kv(layer["attn"], cfg, ctx_BTD, cos_ctx, sin_ctx)
+        k_ctx, v_ctx = D.layer_kv(layer["attn"], cfg, ctx_BTD, cos_ctx, sin_ctx)
         attend = lambda q, k, v: _block_attend(q, k_ctx, v_ctx, k, v, visible, b)
-        return D._layer(layer, cfg, h, cos_blk, sin_blk, attend), None
+        return D.decoder_layer(layer, cfg, h, cos_blk, sin_blk, attend), None
 
     h, _ = jax.lax.scan(body, h, params["layers"])
-    logits = D._logits(params, cfg, lm_head_DV, h.reshape(B * A, b, -1))
+    logits = D.block_logits(params, cfg, lm_head_DV, h.reshape(B * A, b, -1))
     return logits.reshape(B, A, b - 1, -1)
 
 

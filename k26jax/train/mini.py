@@ -14,31 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from k26jax.config import K26_TEXT_CONFIG, QUANT_CONFIG, DrafterConfig, ModelConfig
+from k26jax.config import MINI_TEXT_CONFIG, QUANT_CONFIG, DrafterConfig, ModelConfig
 
 VOCAB = 4096
 NUM_SPECIAL = 256
-
-MINI_TEXT_CONFIG: dict[str, Any] = dict(
-    K26_TEXT_CONFIG,
-    vocab_size=VOCAB,
-    hidden_size=256,
-    intermediate_size=1024,
-    moe_intermediate_size=256,
-    num_hidden_layers=6,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    q_lora_rank=128,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    n_routed_experts=16,
-    num_experts_per_tok=4,
-    bos_token_id=VOCAB - NUM_SPECIAL,
-    eos_token_id=VOCAB - NUM_SPECIAL + 1,
-    pad_token_id=VOCAB - 1,
-)
 
 MINI_DRAFTER_LAYER_IDS = (1, 3, 5)
 MASK_OFFSET = 2  # MASK id = V - 2, K2's [UNK] slot, which the byte-level BPE never produces
