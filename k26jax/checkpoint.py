@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 
 import jax
@@ -47,10 +48,11 @@ DRAFTER_DIR = "drafter"
 DTYPES = {"bfloat16": jax.numpy.bfloat16, "float32": np.float32}
 ZARR_DTYPES = {"bfloat16": "bfloat16", "float32": "<f4", "int32": "<i4", "float16": "<f2"}
 ACCEPTED = (
-    "a checkpoint directory is either a Hugging Face checkpoint (config.json with model.safetensors.index.json and "
-    "the shards it lists, or config.json with one model.safetensors) or one made by `python -m convert` "
+    "k26jax loads a Hugging Face checkpoint (config.json with model.safetensors.index.json and the shards it "
+    "lists, or config.json with one model.safetensors) or a directory made by `python -m convert` "
     f"({PARAMS_DIR}/, {MANIFEST_FILE}, {COMPLETE_FILE})"
 )
+STAGING_FILES = ("plan.json", "journal.jsonl")  # what the converter's OUT.partial holds
 log = logging.getLogger(__name__)
 
 
@@ -88,7 +90,7 @@ def describe_dir(path: str) -> str:
     shards = sorted(n for n in names if n.endswith(".safetensors"))
     if not names:
         what = "the directory is empty"
-    elif {"plan.json", "journal.jsonl"} & names or path.endswith(".partial"):
+    elif set(STAGING_FILES) & names or path.endswith(".partial"):
         what = (
             "it is a conversion that has not finished (no COMPLETE marker); finish it by rerunning "
             "`python -m convert` with the same arguments and --resume, and load the --out directory"
@@ -96,15 +98,20 @@ def describe_dir(path: str) -> str:
     elif MANIFEST_FILE in names or PARAMS_DIR in names:
         what = f"it has {MANIFEST_FILE} or {PARAMS_DIR}/ but no {COMPLETE_FILE} marker: an unfinished or damaged copy"
     elif shards:
-        lacks = [n for n in ("config.json", "model.safetensors.index.json") if n not in names]
-        what = f"it has {len(shards)} .safetensors file(s) ({shards[0]}, ...) but no {' and no '.join(lacks)}"
+        index = "model.safetensors" if "model.safetensors" in names else "model.safetensors.index.json"
+        lacks = [n for n in ("config.json", index) if n not in names]
+        what = (
+            f"it has {len(shards)} .safetensors file(s) ({shards[0]}, ...) but no {' and no '.join(lacks)}"
+            if lacks
+            else "it is a Hugging Face checkpoint, which k26jax.load reads (or `python -m convert` converts)"
+        )
     elif "config.json" in names:
         what = "it has config.json but no weights (no .safetensors files, no params/)"
     else:
         what = (
             f"it holds neither weights nor a config ({', '.join(sorted(names)[:5])}{', ...' if len(names) > 5 else ''})"
         )
-    return f"{path}: not a checkpoint: {what}. {ACCEPTED[0].upper()}{ACCEPTED[1:]}"
+    return f"{path}: not a converted checkpoint: {what}. {ACCEPTED}"
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -176,7 +183,8 @@ class _Leaf:
         meta.setdefault("dimension_separator", ".")
         bad = {k: meta.get(k) for k, v in want.items() if meta.get(k) != v}
         if bad:
-            raise self.fail(path, f"{bad} where the manifest implies { ({k: want[k] for k in bad}) }")
+            implied = {k: want[k] for k in bad}
+            raise self.fail(path, f"{bad} where the manifest implies {implied}")
 
     def read_chunk(self, index: tuple[int, ...], stats: _Stats, into: np.ndarray | None = None) -> np.ndarray:
         """One chunk file as a chunk-shaped array (read into `into`, a C-contiguous chunk-shaped array, if given),
@@ -202,7 +210,7 @@ class _Leaf:
             if got != want:
                 raise self.fail(path, f"corrupted: its sha256 is {got[:16]}..., the manifest's {str(want)[:16]}...")
             stats.verified.add((self.name, key))
-        stats.bar.update(len(buf))
+        stats.progress(len(buf))
         return buf.view(self.dtype).reshape(self.chunks)
 
     def read(self, region: tuple[tuple[int, int], ...], pool, stats: _Stats) -> np.ndarray:
@@ -233,8 +241,13 @@ class _Leaf:
 
 @dataclasses.dataclass
 class _Stats:
-    bar: object  # tqdm, updated with every chunk file's bytes
+    bar: object  # tqdm, advanced by every chunk file's bytes
     verified: set = dataclasses.field(default_factory=set)  # (leaf, chunk key) checked so far
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def progress(self, nbytes: int) -> None:
+        with self.lock:
+            self.bar.update(nbytes)
 
 
 def _region(index: tuple, shape) -> tuple[tuple[int, int], ...]:
@@ -248,16 +261,8 @@ def _restore_tree(
     `dtype` except those of a fixed dtype in the parameter table (bf16 expert scales, the fp32 router bias)."""
     fixed = {".".join(p) for p in param_table.fixed_dtype_leaves(table)}
     per_chunk = manifest.get("format", FORMAT) != FORMAT_V1
-    leaves = {}
-    for name, entry in manifest["leaves"].items():
-        sums = entry.get("chunk_sha256") if verify and per_chunk else None
-        leaf = _Leaf(path, name, tuple(entry["shape"]), tuple(entry["chunks"]), np_dtype(entry["dtype"]), sums)
-        leaf.check_zarray()
-        regions = {}  # each distinct region this process's devices hold, read once
-        for device, index in shardings[name].addressable_devices_indices_map(leaf.shape).items():
-            regions.setdefault(_region(index, leaf.shape), []).append(device)
-        leaves[name] = (leaf, regions)
-    total = sum(len(chunks_in(r, leaf.chunks)) * leaf.chunk_bytes for leaf, regions in leaves.values() for r in regions)
+    leaves, reads = _plan_reads(path, manifest, shardings, verify and per_chunk)
+    total = sum(len(chunks_in(region, leaf.chunks)) * leaf.chunk_bytes for _, leaf, region, _ in reads)
     mode = "verify" if verify and per_chunk else "no verify" if not verify else "verify leaves"
     kind = "drafter" if manifest.get("kind") == "drafter" else "target"
 
@@ -265,12 +270,9 @@ def _restore_tree(
         castable = jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating) and name not in fixed
         return np.dtype(DTYPES[dtype]) if dtype is not None and castable else leaf.dtype
 
-    reads = [
-        (name, leaf, region, devices) for name, (leaf, regions) in leaves.items() for region, devices in regions.items()
-    ]
     with concurrent.futures.ThreadPoolExecutor() as pool, concurrent.futures.ThreadPoolExecutor(1) as ahead:
         if verify and not per_chunk:
-            _verify_whole_leaves([leaf for leaf, _ in leaves.values()], manifest, pool, progress)
+            _verify_whole_leaves(leaves, manifest, pool, progress)
         start, tree, shards = time.perf_counter(), {}, {}
         with _bar(total, f"load {kind} ({mode})", progress) as bar:
             stats = _Stats(bar)
@@ -297,6 +299,24 @@ def _restore_tree(
     return tree
 
 
+def _plan_reads(path: str, manifest: dict, shardings: dict, per_chunk: bool) -> tuple[list[_Leaf], list[tuple]]:
+    """The leaves, and (name, leaf, region, devices) for each distinct region this process's devices hold: the
+    reads of the load, each region read once for all the devices that hold it."""
+    leaves, reads = [], []
+    for name, entry in manifest["leaves"].items():
+        if per_chunk and not isinstance(entry.get("chunk_sha256"), dict):
+            raise IncompleteCheckpointError(f"{path}: {MANIFEST_FILE}: leaf {name} has no chunk_sha256")
+        sums = entry["chunk_sha256"] if per_chunk else None
+        leaf = _Leaf(path, name, tuple(entry["shape"]), tuple(entry["chunks"]), np_dtype(entry["dtype"]), sums)
+        leaf.check_zarray()
+        regions = {}
+        for device, index in shardings[name].addressable_devices_indices_map(leaf.shape).items():
+            regions.setdefault(_region(index, leaf.shape), []).append(device)
+        leaves.append(leaf)
+        reads += [(name, leaf, region, devices) for region, devices in regions.items()]
+    return leaves, reads
+
+
 def _bar(total: int, desc: str, progress: bool | None):
     """A bytes progress bar on stderr (progress None: only when stderr is a terminal)."""
     from tqdm import tqdm
@@ -308,8 +328,8 @@ def _bar(total: int, desc: str, progress: bool | None):
 def _verify_whole_leaves(leaves: list[_Leaf], manifest: dict, pool, progress: bool | None) -> None:
     """Format k26jax-orbax-1: the sha256 of each whole leaf's C-order bytes, read in blocks of chunk rows."""
     log.warning(
-        "%s: format %s records one sha256 per whole leaf, so every process reads every leaf twice to check it; "
-        "reconverting gives per-chunk checks at no extra read",
+        "%s: format %s records one sha256 per whole leaf, so every process reads every whole leaf once more to "
+        "check it; reconverting gives per-chunk checks at no extra read",
         leaves[0].ckpt if leaves else "",
         FORMAT_V1,
     )

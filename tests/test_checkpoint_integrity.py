@@ -178,3 +178,16 @@ def test_not_a_checkpoint_says_what_it_lacks(tmp_path):
         if f.endswith(".safetensors"):
             os.remove(hf / f)
     assert "config.json but no weights" in _refusal(hf)
+
+
+def test_zarr_metadata_that_differs_from_the_manifest_is_refused(ckpt):
+    """The chunk files are read raw, so a .zarray describing another encoding (here: compressed) is refused."""
+    path = os.path.join(ckpt, "params", LEAF, ".zarray")
+    with open(path) as f:
+        meta = json.load(f)
+    meta["compressor"] = {"id": "zstd", "level": 3}
+    with open(path, "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(checkpoint.CorruptCheckpointError) as err:
+        checkpoint.restore(ckpt, verify=False)
+    _assert_one_message(err, f"leaf {LEAF}", path, "compressor")
