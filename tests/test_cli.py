@@ -1,0 +1,75 @@
+"""The `k26jax` command line as a user runs it (a subprocess): a mistake is one `error:` line on stderr and exit
+code 2, never a traceback; streamed text equals the full decode, multi-byte characters included."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from k26jax.generation import DEFAULT_CKPT
+from k26jax.tokenizer import StreamDecoder, Tokenizer
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "k26jax", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--ckpt", "/nonexistent/ckpt", "--prompt", "hi"], "/nonexistent/ckpt: checkpoint directory does not exist"),
+        (["--prompt", ""], "prompts[0] is empty"),
+        (["--prompt", "hi", "--budget", "0"], "budget=0"),
+        (["--prompt", "hi", "--drafter", "/nonexistent/drafter"], "/nonexistent/drafter"),
+        (["--prompt", "word " * 3000], "beyond the cache"),
+    ],
+    ids=["bad-path", "empty-prompt", "bad-budget", "missing-drafter", "prompt-too-long"],
+)
+def test_user_errors_are_one_line_and_exit_2(args, message):
+    r = run_cli("generate", *args)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_debug_shows_the_traceback():
+    r = run_cli("--debug", "generate", "--ckpt", "/nonexistent/ckpt", "--prompt", "hi")
+    assert r.returncode != 0 and "Traceback" in r.stderr and "FileNotFoundError" in r.stderr
+
+
+def test_generate_streams_and_reports_tau():
+    r = run_cli("generate", "--prompt", "Café 日本語", "--max-new-tokens", "6", "--method", "ar")
+    assert r.returncode == 0, r.stderr
+    assert "tau=1.00 (tokens per target pass; 1 = no speed-up)" in r.stderr
+    assert "budget" not in r.stderr.splitlines()[0]  # AR has no tree budget
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(DEFAULT_CKPT)
+
+
+@pytest.mark.parametrize("text", ["Café 日本語", "naïve — “quotes” 🙂 ok", "ascii only"])
+def test_streamed_text_equals_full_decode_of_multibyte_prompts(tok, text):
+    ids = tok.encode(text)
+    stream = StreamDecoder(tok)
+    assert "".join(stream.feed([i]) for i in ids) + stream.flush() == tok.decode(ids) == text
+
+
+def test_streamed_text_equals_full_decode_of_arbitrary_ids(tok):
+    """Generated ids may split a character across tokens, or never finish it: each chunk holds back an incomplete
+    sequence, and the whole equals the full decode (with U+FFFD where the bytes are not UTF-8)."""
+    rng = np.random.default_rng(0)
+    splitting = tok.encode("日本語🙂é")
+    for _ in range(20):
+        ids = rng.choice(np.concatenate([splitting, rng.integers(0, 700, 8)]), size=12).tolist()
+        stream = StreamDecoder(tok)
+        chunks = [stream.feed(ids[i : i + 3]) for i in range(0, len(ids), 3)]
+        assert "".join(chunks) + stream.flush() == tok.decode(ids)
+        assert all("\ufffd" not in c or "\ufffd" in tok.decode(ids) for c in chunks)
