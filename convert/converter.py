@@ -288,7 +288,8 @@ def _check_out(opts: Options) -> None:
             f"{opts.flag('out', out)}: {what}; it is left alone ({opts.flag('overwrite')} only replaces a k26jax "
             f"checkpoint): choose a new output path"
         )
-    if kind in ("checkpoint", "partial") and not opts.overwrite and not opts.resume:
+    nothing_to_resume = opts.resume and not os.path.lexists(staging)
+    if kind in ("checkpoint", "partial") and not opts.overwrite and not nothing_to_resume:
         raise FileExistsError(f"{opts.flag('out', out)}: already exists; pass {opts.flag('overwrite')} to replace it")
     if os.path.lexists(staging) and _ours(staging) not in ("partial", "empty"):
         raise FileExistsError(
@@ -353,8 +354,8 @@ def _with_drafter(opts: Options, log: Callable[[str], None]) -> tuple[Options, b
             log(f"converting the DFlash drafter found in {found} into {DRAFTER_DIR}/ ({skip} skips it)")
             return dataclasses.replace(opts, drafter_dir=found), True
         log(
-            f"no {DRAFTER_DIR}/ in {opts.hf_dir}: the output has no drafter, so only method 'ar' runs on it "
-            f"(add one with {opts.flag('drafter_dir', 'DIR')})"
+            f"no {DRAFTER_DIR}/ in {opts.hf_dir}: the output has no drafter, so only method 'ar' (no speculation) "
+            f"runs on it (add one with {opts.flag('drafter_dir', 'DIR')})"
         )
         return dataclasses.replace(opts, drafter_dir=False), False
     if opts.drafter_dir is True:

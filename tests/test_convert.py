@@ -336,6 +336,9 @@ def test_existing_output_needs_overwrite(tmp_path, capsys, converted):
     assert convert_main(["--hf", TINY, "--out", str(out), "--no-progress", "--overwrite"]) == 0
     assert checkpoint.read_manifest(out)["leaves"] == checkpoint.read_manifest(converted)["leaves"]
     checkpoint.restore(out)  # the stale chunk is gone
+    capsys.readouterr()
+    assert convert_main(["--hf", TINY, "--out", str(out), "--no-progress", "--resume"]) == 0
+    assert "already complete" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("what", ["foreign dir", "file", "foreign partial"])
