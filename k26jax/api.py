@@ -128,7 +128,7 @@ def load(
     model = Model(cfg, params, impls, mesh, path=path)
     drafter_dir = os.path.join(path, "drafter") if drafter is None else drafter
     if drafter_dir and os.path.isdir(drafter_dir):
-        _attach_drafter(model, drafter_dir, dtype)
+        _attach_drafter(model, drafter_dir, dtype, verify)
     elif drafter:
         raise FileNotFoundError(f"{drafter}: drafter directory does not exist")
     return model
@@ -143,7 +143,7 @@ def _is_hf_dir(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors.index.json", "model.safetensors"))
 
 
-def _attach_drafter(model: Model, drafter_dir: str, dtype: str) -> None:
+def _attach_drafter(model: Model, drafter_dir: str, dtype: str, verify: bool = True) -> None:
     from k26jax.model import drafter as drafter_lib
 
     if _is_hf_dir(drafter_dir):
@@ -153,7 +153,7 @@ def _attach_drafter(model: Model, drafter_dir: str, dtype: str) -> None:
     else:
         from k26jax import checkpoint
 
-        dcfg, dparams = checkpoint.restore_drafter(drafter_dir)
+        dcfg, dparams = checkpoint.restore_drafter(drafter_dir, verify=verify)
     dcfg.check_target(model.cfg)
     dparams = jax.tree.map(
         lambda a: jnp.asarray(a, DTYPES[dtype]) if np.issubdtype(np.asarray(a).dtype, np.floating) else a, dparams
