@@ -30,7 +30,7 @@ import numpy as np
 
 from k26jax import hf, hf_files
 from k26jax.config import DrafterConfig, ModelConfig, preset_text_config
-from k26jax.hf import CHAT_TEMPLATE, K2_SPECIAL_TOKENS, NUM_SPECIAL, special_tokens  # noqa: F401 (k26jax.train.bpe)
+from k26jax.hf import NUM_SPECIAL, special_tokens
 from k26jax.model import drafter
 from k26jax.model.params import GROUP
 

@@ -80,7 +80,7 @@ def train_bpe(
     texts: list[str], vocab_size: int = VOCAB_SIZE, special_tokens: dict[int, str] | None = None, progress=False
 ) -> dict[bytes, int]:
     """Ranks [0, vocab_size - len(special_tokens)) of a byte-level BPE trained on `texts`; the special tokens
-    (default: K2's 256, `convert.make_tiny.special_tokens`) take the remaining top ids."""
+    (default: K2's 256, `k26jax.hf.special_tokens`) take the remaining top ids."""
     n_special = NUM_SPECIAL if special_tokens is None else len(special_tokens)
     return _train(texts, vocab_size - n_special, progress)[1]
 
