@@ -136,15 +136,7 @@ def _text_tensors(w: _Weights, cfg: ModelConfig):
 
 def _vision_tensors(w: _Weights, text_hidden: int):
     """A few bf16 tensors under K2.5's vision names (loaders skip them)."""
-    for name, shape in (
-        ("vision_tower.patch_embed.proj.weight", (32, 3, 14, 14)),
-        ("vision_tower.encoder.blocks.0.wqkv.weight", (96, 32)),
-        ("vision_tower.encoder.blocks.0.wo.weight", (32, 32)),
-        ("vision_tower.encoder.final_layernorm.weight", (32,)),
-        ("mm_projector.pre_norm.weight", (32,)),
-        ("mm_projector.proj.0.weight", (128, 128)),
-        ("mm_projector.proj.2.weight", (text_hidden, 128)),
-    ):
+    for name, shape in hf.vision_tensor_shapes(text_hidden):
         yield name, w.normal(shape, 0.02)
 
 

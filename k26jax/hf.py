@@ -548,6 +548,26 @@ def text_config_json(text: dict) -> dict:
     }
 
 
+def vision_tensor_shapes(text_hidden: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The few vision-tower and projector tensors a small kimi_k25 checkpoint carries beside its text model, under
+    K2.5's names, at the sizes `wrapper_config`'s vision config states (our loaders skip them)."""
+    return [
+        ("vision_tower.patch_embed.proj.weight", (32, 3, 14, 14)),
+        ("vision_tower.encoder.blocks.0.wqkv.weight", (96, 32)),
+        ("vision_tower.encoder.blocks.0.wo.weight", (32, 32)),
+        ("vision_tower.encoder.final_layernorm.weight", (32,)),
+        ("mm_projector.pre_norm.weight", (32,)),
+        ("mm_projector.proj.0.weight", (128, 128)),
+        ("mm_projector.proj.2.weight", (text_hidden, 128)),
+    ]
+
+
+def vision_tensors(text_hidden: int, seed: int = 0) -> list[tuple[str, np.ndarray]]:
+    """`vision_tensor_shapes` filled with bf16 normal(0, 0.02) values."""
+    rng = np.random.default_rng(seed)
+    return [(n, (0.02 * rng.standard_normal(shape)).astype(BF16)) for n, shape in vision_tensor_shapes(text_hidden)]
+
+
 def wrapper_config(text: dict, media_placeholder_token_id: int | None = None) -> dict:
     """The kimi_k25 wrapper config.json around a text config dict, with a small vision config. The media
     placeholder defaults to <|media_pad|> at K2's offset from the top of the vocabulary."""

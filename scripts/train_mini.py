@@ -573,6 +573,7 @@ def stage_export(run: Run, args) -> None:
         q,
         shard_bytes=EXPORT_SHARD_BYTES,
         generation_config={"bos_token_id": V - 256, "eos_token_id": V - 255, "pad_token_id": V - 1, "do_sample": False},
+        extra_tensors=hf.vision_tensors(run.text["hidden_size"], seed=run.seed),
     )
     for name in ("tiktoken.model", "tokenizer_config.json"):
         shutil.copy(run.path("tokenizer", name), os.path.join(out, name))
