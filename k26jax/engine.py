@@ -4,6 +4,10 @@ One step is one jitted XLA program with donated state and no host round trip:
   draft -> top-K -> tree_build -> target verify over the tree -> per-node choice -> tree_accept -> commit.
 AR is the degenerate tree {root}; chain DFlash is top-1 per depth (K = 1, B = L).
 
+Every sequence is a slot of the batch with its own sampling values (temperature, top_p, PRNG key) and token limit
+in the decode state, so requests with different settings share one executable and a server can `insert` a new
+prompt into a free slot between steps (continuous batching) without recompiling.
+
 The step holds the parameters as plain trees (donation and sharding see arrays) and wraps them in the NNX modules
 (`K2Model`, `DFlashDrafter`, `from_params`) at its boundary to run their forward methods.
 `Decoder` is the one place that compiles it (jit, donation, XLA options); every caller goes through it. What a
@@ -28,29 +32,38 @@ from k26jax.model import drafter as drafter_lib
 from k26jax.model import target
 
 METHODS = ("ddtree", "chain", "ar")
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """Static decoding settings (hashable: part of the compiled step's identity)."""
+    """Static decoding settings (hashable: part of the compiled step's identity).
+
+    max_new_tokens is the capacity of the output buffer; each slot stops at its own `DecodeState.max_new` within
+    it. sampling=False compiles argmax only (every slot greedy); True compiles the per-slot choice (argmax where a
+    slot's temperature is 0, else a tempered top-p sample). logprobs: the step also returns the log-probability of
+    each emitted token under the target (log-softmax of its logits at temperature 1) and the `top_logprobs`
+    most likely tokens there, computed on the accepted path only.
+    """
 
     method: str = "ddtree"
     budget: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
     max_new_tokens: int = 64
     eos_ids: tuple[int, ...] = ()
     block_size: int = 8
+    sampling: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}: use one of {METHODS}")
         if self.budget < 1:
             raise ValueError(f"budget={self.budget}: must be >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"temperature={self.temperature}, top_p={self.top_p}: need T >= 0 and 0 < top_p <= 1")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS or (self.top_logprobs and not self.logprobs):
+            raise ValueError(f"top_logprobs={self.top_logprobs}: need 0..{MAX_TOP_LOGPROBS}, and logprobs=True")
 
     @property
     def depth(self) -> int:
@@ -65,63 +78,140 @@ class StepConfig:
 
 @struct.dataclass
 class DecodeState:
+    """The batch: C slots, each a sequence with its own cache rows, sampling values and limits.
+
+    A slot with done True is inactive: the step computes it (static shapes) but commits nothing. The `emitted`
+    fields hold what the last prefill / step appended (P = L + 1 columns), so a host loop reads only those.
+    """
+
     cache: kc.KVCache
     ctx_k: jax.Array  # drafter context K [Ld, C, kv_heads, S, head_dim] (empty for AR)
     ctx_v: jax.Array
     ctx_len: jax.Array  # [C]
     root: jax.Array  # [C] last emitted token, no KV yet: the next tree's root
-    out: jax.Array  # [C, max_new + L + 1] emitted tokens
+    out: jax.Array  # [C, max_new_tokens + L + 1] emitted tokens
     num_out: jax.Array  # [C]
     done: jax.Array  # [C] bool
-    key: jax.Array
+    key: jax.Array  # [C] PRNG keys, one stream per slot
     step: jax.Array  # scalar int32
     accept_lens: jax.Array  # [max_steps, C] accept length per step, 0 when inactive
+    temperature: jax.Array  # [C] float32, 0 = greedy
+    top_p: jax.Array  # [C] float32 in (0, 1]
+    max_new: jax.Array  # [C] int32 token limit, <= max_new_tokens
+    emitted: jax.Array  # [C, P] tokens appended by the last prefill / step
+    num_emitted: jax.Array  # [C] how many of them count
+    logprob: jax.Array  # [C, P] float32 their log-probabilities ([C, 0] without logprobs)
+    top_ids: jax.Array  # [C, P, K] the K most likely tokens at each ([C, 0, 0] without logprobs)
+    top_logprob: jax.Array  # [C, P, K] float32
 
 
 def max_steps(sc: StepConfig) -> int:
     return sc.max_new_tokens
 
 
-def choose(logits_CNV, key, sc: StepConfig):
-    """Per-node choice: argmax at T = 0, else an independent sample per node from softmax(logits/T), top-p."""
-    if sc.temperature == 0:
-        return jnp.argmax(logits_CNV, axis=-1).astype(jnp.int32)
-    logits = logits_CNV.astype(jnp.float32) / sc.temperature
-    if sc.top_p < 1:
+def slot_keys(key, C: int):
+    """Per-slot PRNG keys from one key: slot c's stream is fold_in(key, c) (a server's request is slot 0 of its
+    own seed, so it samples as `generate` of that one prompt does)."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(C, dtype=jnp.uint32))
+
+
+def choose(logits_CNV, key_C, temperature_C, top_p_C, *, sampling: bool):
+    """Per-node choice: argmax where a slot's temperature is 0, else an independent sample per node from
+    softmax(logits / T) restricted to the top-p mass. The sampling branch runs only when some slot samples."""
+    greedy = jnp.argmax(logits_CNV, axis=-1).astype(jnp.int32)
+    if not sampling:
+        return greedy
+    hot = temperature_C > 0
+
+    def top_p_filter(logits):
         sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
         cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-        cutoff_idx = jnp.sum(cum < sc.top_p, axis=-1, keepdims=True)
-        cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+        cutoff_idx = jnp.sum(cum < top_p_C[:, None, None], axis=-1, keepdims=True)
+        cutoff = jnp.take_along_axis(sorted_logits, jnp.minimum(cutoff_idx, logits.shape[-1] - 1), axis=-1)
+        keep = (logits >= cutoff) | (top_p_C >= 1)[:, None, None]
+        return jnp.where(keep, logits, -jnp.inf)
+
+    def sample(_):
+        t = jnp.where(hot, temperature_C, 1.0)
+        logits = logits_CNV.astype(jnp.float32) / t[:, None, None]
+        logits = jax.lax.cond(jnp.any(hot & (top_p_C < 1)), top_p_filter, lambda x: x, logits)
+        drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x, axis=-1))(key_C, logits).astype(jnp.int32)
+        return jnp.where(hot[:, None], drawn, greedy)
+
+    return jax.lax.cond(jnp.any(hot), sample, lambda _: greedy, None)
+
+
+def _split_keys(key_C):
+    """(the slots' next keys, this draw's keys), both [C]."""
+    both = jax.vmap(jax.random.split)(key_C)
+    return both[:, 0], both[:, 1]
 
 
 def _record(state: DecodeState, new_tokens_CP, n_new_C, sc: StepConfig):
-    """Append n_new tokens per active sequence; finish on EOS (kept) or max_new_tokens."""
+    """Append n_new tokens per active sequence; finish on EOS (kept) or the slot's max_new. Returns
+    (out, num_out, done, n appended)."""
     C, P = new_tokens_CP.shape
     j = jnp.arange(P, dtype=jnp.int32)[None]
     is_eos = jnp.isin(new_tokens_CP, jnp.asarray(sc.eos_ids or (-1,), jnp.int32)) & (j < n_new_C[:, None])
     first_eos = jnp.where(is_eos.any(-1), jnp.argmax(is_eos, axis=-1) + 1, P + 1)
-    n = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(n_new_C, first_eos), sc.max_new_tokens - state.num_out))
+    n = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(n_new_C, first_eos), state.max_new - state.num_out))
+    n = jnp.maximum(n, 0)
     pos = jnp.where(j < n[:, None], state.num_out[:, None] + j, state.out.shape[1])
     out = state.out.at[jnp.arange(C)[:, None], pos].set(new_tokens_CP, mode="drop")
     num_out = state.num_out + n
-    done = state.done | (first_eos <= n) | (num_out >= sc.max_new_tokens)
-    return out, num_out, done
+    done = state.done | (first_eos <= n) | (num_out >= state.max_new)
+    return out, num_out, done, n
+
+
+def _logprobs(rows_CPV, tokens_CP, sc: StepConfig):
+    """(log p of tokens [C, P], top ids [C, P, K], their log p [C, P, K]) under softmax(rows); empty without
+    sc.logprobs."""
+    C, P = tokens_CP.shape
+    if not sc.logprobs:
+        return jnp.zeros((C, 0), jnp.float32), jnp.zeros((C, 0, 0), jnp.int32), jnp.zeros((C, 0, 0), jnp.float32)
+    logp = jax.nn.log_softmax(rows_CPV.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens_CP[..., None], axis=-1)[..., 0]
+    if not sc.top_logprobs:
+        return chosen, jnp.zeros((C, P, 0), jnp.int32), jnp.zeros((C, P, 0), jnp.float32)
+    top_logprob, top_ids = jax.lax.top_k(logp, sc.top_logprobs)
+    return chosen, top_ids.astype(jnp.int32), top_logprob
+
+
+def _per_slot(C: int, value, dtype):
+    return jnp.broadcast_to(jnp.asarray(value, dtype), (C,))
 
 
 # ---- prefill ---------------------------------------------------------------------------------------------
 def prefill(
-    params, dparams, ids_CT, lengths_C, key, *, cfg: ModelConfig, dcfg, sc: StepConfig, impls: ops.Impls, max_len: int
+    params,
+    dparams,
+    ids_CT,
+    lengths_C,
+    key,
+    *,
+    cfg: ModelConfig,
+    dcfg,
+    sc: StepConfig,
+    impls: ops.Impls,
+    max_len: int,
+    temperature=0.0,
+    top_p=1.0,
+    max_new=None,
 ) -> DecodeState:
-    """Prompts (right-padded) -> state holding their cache, drafter context and the first token."""
+    """Prompts (right-padded) -> state holding their cache, drafter context and the first token.
+
+    key: one PRNG key (slot c draws from fold_in(key, c)); temperature, top_p, max_new: scalars or [C] (max_new
+    defaults to sc.max_new_tokens).
+    """
     C, T = ids_CT.shape
     layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None else ()
     logits, rows, feats = target.K2Model.from_params(cfg, params).prefill(ids_CT, lengths_C, impls, layer_ids)
     cache = kc.write_prefill(kc.init_cache(cfg, C, max_len, rows.dtype), rows, lengths_C)
-    last = jnp.take_along_axis(logits, (lengths_C - 1)[:, None, None], axis=1)[:, 0]
-    key, sub = jax.random.split(key)
-    first = choose(last[:, None], sub, sc)[:, 0]
+    last = jnp.take_along_axis(logits, (lengths_C - 1)[:, None, None], axis=1)  # [C, 1, V]
+    temperature = _per_slot(C, temperature, jnp.float32)
+    top_p = _per_slot(C, top_p, jnp.float32)
+    keys, draw = _split_keys(slot_keys(key, C))
+    first = choose(last, draw, temperature, top_p, sampling=sc.sampling)[:, 0]
     if dcfg is not None and sc.method != "ar":
         ctx_feats = jnp.concatenate(list(feats), axis=-1)  # [C, T, n*D]
         ctx_k, ctx_v = drafter_lib.DFlashDrafter.from_params(dcfg, dparams).context_kv(
@@ -131,22 +221,123 @@ def prefill(
         ctx_k, ctx_v = jnp.pad(ctx_k, pad), jnp.pad(ctx_v, pad)
     else:
         ctx_k = ctx_v = jnp.zeros((0, C, 0, 0, 0), rows.dtype)
-    L = sc.depth
+    P = sc.depth + 1
+    emitted = jnp.zeros((C, P), jnp.int32).at[:, 0].set(first)
+    logprob, top_ids, top_logprob = _logprobs(jnp.repeat(last, P, axis=1), emitted, sc)
     state = DecodeState(
         cache=cache,
         ctx_k=ctx_k,
         ctx_v=ctx_v,
         ctx_len=lengths_C,
         root=first,
-        out=jnp.zeros((C, sc.max_new_tokens + L + 1), jnp.int32),
+        out=jnp.zeros((C, sc.max_new_tokens + P), jnp.int32),
         num_out=jnp.zeros(C, jnp.int32),
         done=jnp.zeros(C, bool),
-        key=key,
+        key=keys,
         step=jnp.zeros((), jnp.int32),
         accept_lens=jnp.zeros((max_steps(sc), C), jnp.int32),
+        temperature=temperature,
+        top_p=top_p,
+        max_new=_per_slot(C, sc.max_new_tokens if max_new is None else max_new, jnp.int32),
+        emitted=emitted,
+        num_emitted=jnp.zeros(C, jnp.int32),
+        logprob=logprob,
+        top_ids=top_ids,
+        top_logprob=top_logprob,
     )
-    out, num_out, done = _record(state, first[:, None], jnp.ones(C, jnp.int32), sc)
-    return state.replace(out=out, num_out=num_out, done=done)
+    out, num_out, done, n = _record(state, emitted, jnp.ones(C, jnp.int32), sc)
+    return state.replace(out=out, num_out=num_out, done=done, num_emitted=n)
+
+
+def empty_state(
+    *, cfg: ModelConfig, dcfg, sc: StepConfig, batch: int, max_len: int, dtype, ctx_dtype=None
+) -> DecodeState:
+    """C = batch free slots (done, length 0) with caches of max_len rows: a server's state before any insert.
+    dtype: the target's (its latent cache), ctx_dtype: the drafter's parameters' (its context K/V; default dtype)."""
+    C, P, K = batch, sc.depth + 1, sc.top_logprobs
+    if dcfg is not None and sc.method != "ar":
+        ctx_shape = (dcfg.num_hidden_layers, C, dcfg.num_key_value_heads, max_len, dcfg.head_dim)
+    else:
+        ctx_shape, ctx_dtype = (0, C, 0, 0, 0), dtype
+    Pl = P if sc.logprobs else 0
+    zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # a new array per field: no two fields share a buffer
+    return DecodeState(
+        cache=kc.init_cache(cfg, C, max_len, dtype),
+        ctx_k=jnp.zeros(ctx_shape, ctx_dtype or dtype),
+        ctx_v=jnp.zeros(ctx_shape, ctx_dtype or dtype),
+        ctx_len=zeros(C),
+        root=zeros(C),
+        out=zeros(C, sc.max_new_tokens + P),
+        num_out=zeros(C),
+        done=jnp.ones(C, bool),
+        key=slot_keys(jax.random.key(0), C),
+        step=zeros(),
+        accept_lens=zeros(max_steps(sc), C),
+        temperature=jnp.zeros(C, jnp.float32),
+        top_p=jnp.ones(C, jnp.float32),
+        max_new=zeros(C),
+        emitted=zeros(C, P),
+        num_emitted=zeros(C),
+        logprob=jnp.zeros((C, Pl), jnp.float32),
+        top_ids=zeros(C, Pl, K),
+        top_logprob=jnp.zeros((C, Pl, K), jnp.float32),
+    )
+
+
+def insert(
+    params,
+    dparams,
+    state: DecodeState,
+    slot,
+    ids_1T,
+    length,
+    seed,
+    temperature,
+    top_p,
+    max_new,
+    *,
+    cfg: ModelConfig,
+    dcfg,
+    sc: StepConfig,
+    impls: ops.Impls,
+) -> DecodeState:
+    """Prefill one prompt (ids [1, T], T a bucket <= the cache's rows) into slot `slot` of the batch.
+
+    The other slots are untouched; the slot's cache and drafter context rows [0, T) are overwritten (rows past
+    its length are never read). Its first token and logprobs are in the returned state's `emitted` fields of
+    that slot. seed (uint32): the slot samples from fold_in(key(seed), 0), as `generate([prompt], seed=seed)`.
+    """
+    one = prefill(
+        params,
+        dparams,
+        ids_1T,
+        jnp.reshape(length, (1,)),
+        jax.random.key(seed),
+        cfg=cfg,
+        dcfg=dcfg,
+        sc=sc,
+        impls=impls,
+        max_len=ids_1T.shape[1],
+        temperature=temperature,
+        top_p=top_p,
+        max_new=max_new,
+    )
+    slot = jnp.asarray(slot, jnp.int32)
+    fields = {}
+    for f in dataclasses.fields(state):
+        full, part = getattr(state, f.name), getattr(one, f.name)
+        if f.name == "step":
+            fields[f.name] = full
+        elif f.name == "accept_lens":
+            fields[f.name] = full.at[:, slot].set(0)
+        elif f.name in ("ctx_k", "ctx_v"):  # [Ld, C, Hkv, S, K] <- [Ld, 1, Hkv, T, K]
+            fields[f.name] = jax.lax.dynamic_update_slice(full, part, (0, slot, 0, 0, 0)) if full.size else full
+        elif f.name == "cache":  # rows [layers, C, S, W] <- [layers, 1, T, W]
+            rows = jax.lax.dynamic_update_slice(full.rows, part.rows, (0, slot, 0, 0))
+            fields[f.name] = kc.KVCache(rows, full.lengths.at[slot].set(part.lengths[0]))
+        else:  # [C, ...] <- [1, ...]
+            fields[f.name] = full.at[slot].set(part[0])
+    return DecodeState(**fields)
 
 
 # ---- what a step drafts and how it accepts ------------------------------------------------------------------
@@ -224,7 +415,7 @@ def step(
     """One speculative step (traceable; `Decoder.step` is its compiled form)."""
     C = state.root.shape[0]
     L = sc.depth
-    key, k_choice = jax.random.split(state.key)
+    key, k_choice = _split_keys(state.key)
     if sc.method == "ar":
         tokens, depths = jnp.zeros((C, 0), jnp.int32), jnp.zeros((C, 0), jnp.int32)
         parents, num_nodes = jnp.full((C, 1), -1, jnp.int32), jnp.zeros(C, jnp.int32)
@@ -241,12 +432,17 @@ def step(
     logits, tail_rows, feats = model.verify(
         ids, positions, state.cache.rows, state.cache.lengths, visibility, impls, layer_ids
     )
-    post = choose(logits, k_choice, sc)  # [C, B+1]
+    post = choose(logits, k_choice, state.temperature, state.top_p, sampling=sc.sampling)  # [C, B+1]
     if sc.method == "ar":
         path, accept_len, bonus = jnp.zeros((C, 1), jnp.int32), jnp.ones(C, jnp.int32), post[:, 0]
     else:
         path, accept_len, bonus = acceptor.accept(tokens, parents, post, num_nodes, state, sc=sc, impls=impls)
-    return commit(state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc)
+    state = commit(state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc)
+    if not sc.logprobs:
+        return state
+    # emitted token j was chosen at path node j: its distribution is that node's row of logits
+    logprob, top_ids, top_logprob = _logprobs(kc.gather_path(logits, path), state.emitted, sc)
+    return state.replace(logprob=logprob, top_ids=top_ids, top_logprob=top_logprob)
 
 
 def commit(
@@ -260,7 +456,7 @@ def commit(
     P = path_CP.shape[1]
     j = jnp.arange(P)[None]
     emitted = jnp.where(j + 1 < accept_len_C[:, None], jnp.roll(path_tokens, -1, axis=1), bonus_C[:, None])
-    out, num_out, done = _record(state, emitted, accept_len_C, sc)
+    out, num_out, done, num_emitted = _record(state, emitted, accept_len_C, sc)
     ctx_k, ctx_v, ctx_len = state.ctx_k, state.ctx_v, state.ctx_len
     if feats.shape[0] and ctx_k.shape[0]:
         path_feats = kc.gather_path(jnp.concatenate(list(feats), axis=-1), path_CP)  # [C, P, n*D]
@@ -285,6 +481,8 @@ def commit(
         key=key,
         step=state.step + 1,
         accept_lens=accept_lens,
+        emitted=emitted,
+        num_emitted=num_emitted,
     )
 
 
@@ -312,7 +510,9 @@ class Decoder:
     """The compiled prefill and step for one model shape and decoding setting.
 
     `prefill`, `step` (state donated), `loop` (a while_loop to the end) and `run` (exactly n steps, for timing)
-    are jitted once per Decoder; `compile(name, *args)` gives the ahead-of-time executable (to time compiles).
+    are jitted once per Decoder; so are a server's `empty` (free slots) and `insert` (a prompt into a free slot
+    between steps, state donated; one executable per prompt length). `compile(name, *args)` gives the
+    ahead-of-time executable (to time compiles).
     """
 
     cfg: ModelConfig
@@ -333,8 +533,28 @@ class Decoder:
     def _programs(self) -> dict:
         return _programs(self)
 
-    def prefill(self, params, dparams, ids_CT, lengths_C, key, *, max_len: int) -> DecodeState:
-        return self._programs["prefill"](params, dparams, ids_CT, lengths_C, key, max_len=max_len)
+    def prefill(
+        self, params, dparams, ids_CT, lengths_C, key, *, max_len: int, temperature=0.0, top_p=1.0, max_new=None
+    ) -> DecodeState:
+        return self._programs["prefill"](
+            params,
+            dparams,
+            ids_CT,
+            lengths_C,
+            key,
+            max_len=max_len,
+            temperature=temperature,
+            top_p=top_p,
+            max_new=max_new,
+        )
+
+    def empty(self, *, batch: int, max_len: int, dtype, ctx_dtype=None) -> DecodeState:
+        return self._programs["empty"](batch=batch, max_len=max_len, dtype=dtype, ctx_dtype=ctx_dtype)
+
+    def insert(
+        self, params, dparams, state: DecodeState, slot, ids_1T, length, seed, temperature, top_p, max_new
+    ) -> DecodeState:
+        return self._programs["insert"](params, dparams, state, slot, ids_1T, length, seed, temperature, top_p, max_new)
 
     def step(self, params, dparams, state: DecodeState) -> DecodeState:
         return self._programs["step"](params, dparams, state)
@@ -346,7 +566,7 @@ class Decoder:
         return self._programs["run"](params, dparams, state, num_steps=num_steps)
 
     def compile(self, name: str, *args, **kwargs):
-        """The ahead-of-time compiled program `name` ("prefill", "step", "loop", "run") for these arguments."""
+        """The ahead-of-time compiled program `name` (see `_programs`) for these arguments."""
         return self._programs[name].lower(*args, **kwargs).compile()
 
 
@@ -357,6 +577,12 @@ def _programs(dec: Decoder) -> dict:
     pre = dict(cfg=dec.cfg, dcfg=dec.dcfg, sc=dec.sc, impls=dec.impls)
     return {
         "prefill": jit(functools.partial(prefill, **pre), static_argnames=("max_len",), **opts),
+        "empty": jit(
+            functools.partial(empty_state, cfg=dec.cfg, dcfg=dec.dcfg, sc=dec.sc),
+            static_argnames=("batch", "max_len", "dtype", "ctx_dtype"),
+            **opts,
+        ),
+        "insert": jit(functools.partial(insert, **pre), donate_argnames=("state",), **opts),
         "step": jit(functools.partial(step, **s), donate_argnames=("state",), **opts),
         "loop": jit(functools.partial(decode_loop, **s), donate_argnames=("state",), **opts),
         "run": jit(

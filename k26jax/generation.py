@@ -77,6 +77,7 @@ def generate(
     loop="python" steps from Python and streams new tokens to on_tokens(index, ids); loop="while" runs every
     step inside one lax.while_loop. `drafter` replaces the model's DFlash drafter (an `engine.Drafter`, e.g. an
     oracle in tests).
+    Prompt i samples from the PRNG stream fold_in(key(seed), i) (`engine.slot_keys`).
     stats: steps, per-step accept lengths, tau, new tokens, prefill (incl. its compile), step compile and
     decode seconds, and decode tokens/s (the tokens after the prefill's first one, compile excluded).
     """
@@ -85,20 +86,30 @@ def generate(
         raise ValueError(f"method={method!r} needs a drafter: load the model with drafter=DIR")
     if loop not in ("python", "while"):
         raise ValueError(f"loop={loop!r}: use 'python' or 'while'")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature={temperature}, top_p={top_p}: need T >= 0 and 0 < top_p <= 1")
     sc = engine.StepConfig(
         method=method,
         budget=budget,
-        temperature=temperature,
-        top_p=top_p,
         max_new_tokens=max_new_tokens,
         eos_ids=tuple(model.cfg.eos_token_ids),
         block_size=dcfg.block_size if dcfg is not None else 8,
+        sampling=temperature > 0,
     )
     ids, lengths, cache_len = _prepare(model, prompts, max_new_tokens, sc, max_len)
     dec = engine.Decoder(model.cfg, dcfg, sc, model.impls, drafter=drafter or engine.DFlashDraft())
     dparams = model.drafter_params if dcfg is not None else None
     t0 = time.perf_counter()
-    state = dec.prefill(model.params, dparams, ids, lengths, jax.random.key(seed), max_len=cache_len)
+    state = dec.prefill(
+        model.params,
+        dparams,
+        ids,
+        lengths,
+        jax.random.key(seed),
+        max_len=cache_len,
+        temperature=temperature,
+        top_p=top_p,
+    )
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     decode = dec.compile("loop" if loop == "while" else "step", model.params, dparams, state)

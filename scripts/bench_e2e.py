@@ -201,19 +201,8 @@ class Setup:
             if v.method != "ar"
             else P()
         )
-        specs = engine.DecodeState(
-            cache=kc.KVCache(rows=sharding.cache_partition_spec(), lengths=P()),
-            ctx_k=ctx_spec,
-            ctx_v=ctx_spec,
-            ctx_len=P(),
-            root=P(),
-            out=P(),
-            num_out=P(),
-            done=P(),
-            key=P(),
-            step=P(),
-            accept_lens=P(),
-        )
+        cache = kc.KVCache(rows=sharding.cache_partition_spec(), lengths=P())
+        specs = jax.tree.map(lambda _: P(), abstract).replace(cache=cache, ctx_k=ctx_spec, ctx_v=ctx_spec)
         return sharding.shardings_for(abstract, specs, self.mesh)
 
     def decoder(self, v: Variant, impls: ops.Impls) -> engine.Decoder:
@@ -259,27 +248,24 @@ def _build_with_visibility(draft_logits, sc, impls):
 
 # ---- synthetic prefill and the controlled step -------------------------------------------------------------
 def synthetic_state(key, *, cfg, dcfg, sc: engine.StepConfig, C: int, S: int, context: int, dtype):
-    """A DecodeState as prefill leaves it after `context` tokens: random latent rows and drafter K/V."""
+    """A DecodeState as prefill leaves it after `context` tokens: random latent rows and drafter K/V, every slot
+    active and greedy with the whole output capacity as its limit."""
     k_rows, k_ctx_k, k_ctx_v, k_root, k_state = jax.random.split(key, 5)
-    rows = jax.random.normal(k_rows, (cfg.num_hidden_layers, C, S, cfg.latent_dim), dtype)
+    state = engine.empty_state(cfg=cfg, dcfg=dcfg, sc=sc, batch=C, max_len=S, dtype=dtype)
     lengths = jnp.full((C,), context, jnp.int32)
-    if sc.method == "ar":
-        ctx_k = ctx_v = jnp.zeros((0, C, 0, 0, 0), dtype)
-    else:
-        shape = (dcfg.num_hidden_layers, C, dcfg.num_key_value_heads, S, dcfg.head_dim)
-        ctx_k, ctx_v = jax.random.normal(k_ctx_k, shape, dtype), jax.random.normal(k_ctx_v, shape, dtype)
-    return engine.DecodeState(
+    rows = jax.random.normal(k_rows, state.cache.rows.shape, dtype)
+    ctx_k, ctx_v = state.ctx_k, state.ctx_v
+    if ctx_k.size:
+        ctx_k, ctx_v = jax.random.normal(k_ctx_k, ctx_k.shape, dtype), jax.random.normal(k_ctx_v, ctx_v.shape, dtype)
+    return state.replace(
         cache=kc.KVCache(rows, lengths),
         ctx_k=ctx_k,
         ctx_v=ctx_v,
         ctx_len=lengths,
         root=jax.random.randint(k_root, (C,), 0, cfg.vocab_size // 2, jnp.int32),
-        out=jnp.zeros((C, sc.max_new_tokens + sc.depth + 1), jnp.int32),
-        num_out=jnp.zeros((C,), jnp.int32),
         done=jnp.zeros((C,), bool),
-        key=k_state,
-        step=jnp.zeros((), jnp.int32),
-        accept_lens=jnp.zeros((engine.max_steps(sc), C), jnp.int32),
+        key=engine.slot_keys(k_state, C),
+        max_new=jnp.full((C,), sc.max_new_tokens, jnp.int32),
     )
 
 

@@ -235,3 +235,29 @@ def test_eos_stops_each_sequence_at_its_first_eos(model, ar):
         assert got[:n] == want[:n]
         if safe >= stop:
             assert len(got) == stop
+
+
+def test_inserted_slots_decode_as_a_batch_with_their_own_sampling_and_limits(model, ar):
+    """A server's path: prompts inserted one by one into free slots of an empty state, one executable for greedy and
+    sampling slots. The greedy slots give AR's tokens (one cut at its own limit); the sampled slot does not."""
+    sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=NEW, block_size=L + 1, sampling=True)
+    dec = engine.Decoder(model.cfg, model.drafter_cfg, sc, IMPLS)
+    params, dparams = model.params, model.drafter_params
+    state = dec.empty(batch=3, max_len=128, dtype=jnp.float32)
+    # (slot, prompt index, temperature, top_p, token limit)
+    plan = [(2, 0, 0.0, 1.0, NEW), (0, 1, 1.0, 0.9, NEW), (1, 2, 0.0, 1.0, 20)]
+    for slot, i, t, p, limit in plan:
+        ids = np.zeros((1, 16 if len(PROMPTS[i]) <= 16 else 32), np.int32)
+        ids[0, : len(PROMPTS[i])] = PROMPTS[i]
+        args = (np.int32(len(PROMPTS[i])), np.uint32(7), np.float32(t), np.float32(p), np.int32(limit))
+        state = dec.insert(params, dparams, state, np.int32(slot), ids, *args)
+    state = dec.loop(params, dparams, state)
+    out, num_out = np.asarray(state.out), np.asarray(state.num_out)
+    tokens, safe = ar
+    for slot, i, t, _, limit in plan:
+        got = out[slot, : num_out[slot]].tolist()
+        assert len(got) == limit
+        if t == 0:
+            assert got[: safe[i]] == tokens[i][:limit][: safe[i]]
+        else:
+            assert got != tokens[i]

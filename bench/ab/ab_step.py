@@ -80,18 +80,26 @@ def main():
         else:
             shape = (dcfg.num_hidden_layers, C, dcfg.num_key_value_heads, S, dcfg.head_dim)
             ck, cv = jax.random.normal(k_ck, shape, jnp.bfloat16), jax.random.normal(k_cv, shape, jnp.bfloat16)
-        return engine.DecodeState(
+        fields = dict(
             cache=kc.KVCache(rows, lengths),
             ctx_k=ck,
             ctx_v=cv,
             ctx_len=jnp.full((C,), args.context, jnp.int32),
             root=jax.random.randint(k_root, (C,), 0, cfg.vocab_size // 2, jnp.int32),
+            done=jnp.zeros((C,), bool),
+        )
+        if hasattr(engine, "empty_state"):  # per-slot sampling values and limits (after the server's engine)
+            empty = engine.empty_state(cfg=cfg, dcfg=None, sc=sc, batch=C, max_len=1, dtype=jnp.bfloat16)
+            return empty.replace(
+                key=engine.slot_keys(k_state, C), max_new=jnp.full((C,), sc.max_new_tokens, jnp.int32), **fields
+            )
+        return engine.DecodeState(
             out=jnp.zeros((C, sc.max_new_tokens + sc.depth + 1), jnp.int32),
             num_out=jnp.zeros((C,), jnp.int32),
-            done=jnp.zeros((C,), bool),
             key=k_state,
             step=jnp.zeros((), jnp.int32),
             accept_lens=jnp.zeros((engine.max_steps(sc), C), jnp.int32),
+            **fields,
         )
 
     for method, budget in (("ar", 1), ("ddtree", 32)):
