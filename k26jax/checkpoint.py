@@ -15,7 +15,8 @@ The target's directory also carries the source config.json, generation_config.js
 once, in a thread pool, and checks each against its sha256 as it reads it (hashlib and file reads release the GIL),
 so verifying costs no second pass over the disk, and on several hosts each process checks exactly its own chunks. A
 missing, short or altered file stops the load with one message naming the leaf and the file. Any mesh works whose
-axes divide the shapes (sharding.fit_spec replicates dims they do not); a shard may span or cut chunks.
+axes divide the shapes (sharding.fit_spec replicates dims they do not); a shard may span or cut chunks (a chunk cut
+by two shards is read once for each). `last_read` says what this process's latest restore read, in bytes and files.
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ class _Leaf:
             if got != want:
                 raise self.fail(path, f"corrupted: its sha256 is {got[:16]}..., the manifest's {str(want)[:16]}...")
             stats.verified.add((self.name, key))
-        stats.progress(len(buf))
+        stats.progress(len(buf), (self.name, key))
         return buf.view(self.dtype).reshape(self.chunks)
 
     def read(self, region: tuple[tuple[int, int], ...], pool, stats: _Stats) -> np.ndarray:
@@ -244,10 +245,42 @@ class _Stats:
     bar: object  # tqdm, advanced by every chunk file's bytes
     verified: set = dataclasses.field(default_factory=set)  # (leaf, chunk key) checked so far
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    bytes_read: int = 0  # every file read counts, a chunk read twice twice
+    file_reads: int = 0
+    chunks: dict = dataclasses.field(default_factory=dict)  # (leaf, chunk key) -> its bytes, each chunk once
 
-    def progress(self, nbytes: int) -> None:
+    def progress(self, nbytes: int, chunk: tuple[str, str] | None = None) -> None:
         with self.lock:
             self.bar.update(nbytes)
+            self.bytes_read += nbytes
+            self.file_reads += 1
+            if chunk is not None:
+                self.chunks[chunk] = nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadStats:
+    """What one restore read in this process (`last_read`): every chunk-file read in bytes and files (a chunk that
+    two of the process's shards cut is read twice), the distinct chunk files and their bytes, how many were checked
+    against their sha256, and the seconds. On several hosts each process reports its own share."""
+
+    path: str
+    kind: str  # "target" | "drafter"
+    process_index: int
+    bytes_read: int
+    file_reads: int
+    chunk_files: int
+    chunk_bytes: int
+    verified: int
+    seconds: float
+
+
+_LAST_READ: dict[str, ReadStats] = {}
+
+
+def last_read(kind: str = "target") -> ReadStats | None:
+    """The ReadStats of this process's latest restore of a `kind` checkpoint ("target" | "drafter"), or None."""
+    return _LAST_READ.get(kind)
 
 
 def _region(index: tuple, shape) -> tuple[tuple[int, int], ...]:
@@ -289,6 +322,26 @@ def _restore_tree(
                     arr = jax.make_array_from_single_device_arrays(leaf.shape, shardings[name], shards.pop(name))
                     _set(tree, name.split("."), arr)
     seconds = time.perf_counter() - start
+    _LAST_READ[kind] = ReadStats(
+        path,
+        kind,
+        jax.process_index(),
+        stats.bytes_read,
+        stats.file_reads,
+        len(stats.chunks),
+        sum(stats.chunks.values()),
+        len(stats.verified),
+        seconds,
+    )
+    if jax.process_count() > 1:
+        log.info(
+            "%s: process %d of %d read %d chunk files, %.1f MB (its own shards)",
+            path,
+            jax.process_index(),
+            jax.process_count(),
+            len(stats.chunks),
+            stats.bytes_read / 1e6,
+        )
     rate = f"{total / 1e6:.1f} MB in {seconds:.2f} s ({total / 1e6 / max(seconds, 1e-9):.0f} MB/s)"
     if verify and per_chunk:
         log.info("%s: read %s; sha256 verified for %d chunk files", path, rate, len(stats.verified))

@@ -2,12 +2,21 @@
 
 Mesh axes ("data", "model"): batch over "data", tensor parallelism over "model". Attention is split over heads,
 embedding and lm_head over the vocabulary, dense MLPs over their intermediate dim. Routed experts are split by a
-switch: "ep" puts E/n whole experts on each device, "tp" splits every expert's intermediate dim. Each parameter's
-axes are declared beside its shape in k26jax/model/params.py. The latent KV cache is replicated over "model"
-(MLA under head parallelism needs every head to see the whole latent).
+switch: "ep" puts E/n whole experts on each device, "tp" splits every expert's intermediate dim, "ep_global" puts
+E/(data * model) whole experts on each device of the whole mesh. Each parameter's axes are declared beside its
+shape in k26jax/model/params.py. The latent KV cache is replicated over "model" (MLA under head parallelism needs
+every head to see the whole latent).
+
+Several hosts (jax.distributed, see k26jax/distributed.py and docs/MULTIHOST.md): `make_mesh` gives each process
+one row of "data", so "model" never leaves a host. With expert_mode "ep_global" the routed experts (95% of the
+bytes) are split over every device of every host, while attention, the dense layers, embedding and lm_head are
+split over "model" within a host and replicated across hosts; the cache's batch is split across hosts. Only the
+MoE's expert combine crosses hosts.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import numpy as np
@@ -18,16 +27,36 @@ from k26jax.config import ModelConfig
 from k26jax.model import params as param_table
 from k26jax.model.params import DATA, MODEL
 
-EXPERT_MODES = tuple(param_table.EXPERT_AXES)
+EXPERT_MODES = ("ep", "tp")  # the single-host layouts (what the command-line tools offer)
+ALL_EXPERT_MODES = tuple(param_table.EXPERT_AXES)  # and "ep_global", for meshes over several hosts
 
 
-def make_mesh(num_devices: int | None = None) -> Mesh:
-    """A (1, n) ("data", "model") mesh over the first n visible devices (all of them by default)."""
-    devices = jax.devices()
+def make_mesh(num_devices: int | None = None, *, data: int | None = None) -> Mesh:
+    """A (data, n / data) ("data", "model") mesh over the first n devices (all of them by default).
+
+    One process: data defaults to 1, so the mesh is (1, n) over the first n visible devices. Several processes
+    (after k26jax.distributed.initialize): the mesh spans every process's devices, data defaults to the process
+    count, and rows are whole groups of one process's devices (ordered by process, then device id), so the "model"
+    axis, and with it tensor parallelism, stays inside a host. num_devices must then be all of them.
+    """
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     n = len(devices) if num_devices is None else num_devices
     if not 1 <= n <= len(devices):
         raise ValueError(f"num_devices={num_devices}: {len(devices)} device(s) visible")
-    return Mesh(np.asarray(devices[:n]).reshape(1, n), (DATA, MODEL))
+    processes = jax.process_count()
+    if processes > 1 and n != len(devices):
+        raise ValueError(f"num_devices={num_devices}: a mesh over {processes} processes takes all {len(devices)}")
+    data = processes if data is None else data
+    if data < 1 or n % data:
+        raise ValueError(f"data={data}: must divide the {n} devices")
+    grid = np.asarray(devices[:n], dtype=object).reshape(data, n // data)
+    for row in grid:
+        if len({d.process_index for d in row}) > 1:
+            raise ValueError(
+                f"data={data}: a row of {n // data} devices would span processes "
+                f'{sorted({d.process_index for d in row})}; the "model" axis must stay within one host'
+            )
+    return Mesh(grid, (DATA, MODEL))
 
 
 def expert_partition_specs(expert_mode: str = "ep") -> dict:
@@ -44,8 +73,8 @@ def param_partition_specs(cfg: ModelConfig, expert_mode: str = "ep") -> dict:
 
 
 def _check_mode(expert_mode: str) -> None:
-    if expert_mode not in EXPERT_MODES:
-        raise ValueError(f"expert_mode={expert_mode!r}: use one of {EXPERT_MODES}")
+    if expert_mode not in ALL_EXPERT_MODES:
+        raise ValueError(f"expert_mode={expert_mode!r}: use one of {ALL_EXPERT_MODES}")
 
 
 def cache_partition_spec() -> P:
@@ -54,10 +83,15 @@ def cache_partition_spec() -> P:
 
 
 def fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """Drop mesh axes from dims they do not divide (e.g. 4 heads on an 8-way model axis): replicate instead."""
+    """Drop mesh axes from dims they do not divide (e.g. 4 heads on an 8-way model axis): replicate instead. A dim
+    split over several axes (("data", "model")) keeps those of size > 1 (a bare name when one is left), or is
+    replicated when their product does not divide it."""
     axes = []
     for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        size = 1 if axis is None else mesh.shape[axis]
+        if isinstance(axis, tuple):
+            axis = tuple(a for a in axis if mesh.shape[a] > 1)
+            axis = None if not axis else axis[0] if len(axis) == 1 else axis
+        size = 1 if axis is None else math.prod(mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
         axes.append(axis if axis is None or dim % size == 0 else None)
     return P(*axes)
 

@@ -27,6 +27,10 @@ PACK, GROUP = 8, 32  # INT4 values per int32 word, input rows per scale
 
 # Routed experts, the leaves the MoE kernels read (after the layer axis): "ep" splits the experts E, "tp" the
 # intermediate dim Im (w13 [E, D/g, 2, Im] on Im, so gate/up pairs stay together; w2 [E, Im/g, D] on Im/g).
+# "ep_global" splits the experts over both mesh axes, ("data", "model"): on a multi-host mesh (one "data" row per
+# host) every device of every host holds E / (hosts * devices per host) whole experts; on one host ("data" of
+# size 1) it is "ep" (sharding.fit_spec drops the size-1 axis).
+EP_GLOBAL = (DATA, MODEL)
 EXPERT_AXES = {
     "ep": {
         "w13_packed": (MODEL, None, None, None),
@@ -39,6 +43,12 @@ EXPERT_AXES = {
         "w13_scale": (None, None, None, MODEL),
         "w2_packed": (None, MODEL, None),
         "w2_scale": (None, MODEL, None),
+    },
+    "ep_global": {
+        "w13_packed": (EP_GLOBAL, None, None, None),
+        "w13_scale": (EP_GLOBAL, None, None, None),
+        "w2_packed": (EP_GLOBAL, None, None),
+        "w2_scale": (EP_GLOBAL, None, None),
     },
 }
 
