@@ -1,4 +1,5 @@
-"""The `k26jax` command line (also `python -m k26jax`): `generate` streams decoding of prompts.
+"""The `k26jax` command line (also `python -m k26jax`): `generate` streams decoding of prompts; `serve` runs the
+OpenAI-compatible server (k26jax/serve/).
 
 A user's mistake (a bad path, flag or prompt) prints one `error: ...` line and exits 2; Ctrl-C exits 130;
 `--debug` shows the traceback of anything. Tracebacks of real bugs are kept.
@@ -69,6 +70,12 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from k26jax.serve import server
+
+    return server.run(args)
+
+
 def parser() -> argparse.ArgumentParser:
     from k26jax.engine import METHODS
     from k26jax.generation import DEFAULT_CKPT
@@ -90,6 +97,25 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     g.add_argument("--debug", dest="debug_here", action="store_true", help="show tracebacks")
     g.set_defaults(run=_generate)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching")
+    s.add_argument("--ckpt", default=DEFAULT_CKPT, help="HF or converted checkpoint dir (default: the embedded one)")
+    s.add_argument("--drafter", default=None, help="DFlash drafter dir (default: CKPT/drafter)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--method", default="ddtree", choices=METHODS)
+    s.add_argument("--budget", type=int, default=32, help="DDTree nodes verified per step")
+    s.add_argument("--max-batch", type=int, default=8, help="slots decoded together")
+    s.add_argument("--max-len", type=int, default=4096, help="cache rows per slot: prompt + completion + draft")
+    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before a 503")
+    s.add_argument("--max-logprobs", type=int, default=20, help="the most top_logprobs a request may ask (<= 20)")
+    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $K26JAX_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: CKPT's name)")
+    s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.add_argument("--debug", dest="debug_here", action="store_true", help="show tracebacks")
+    s.set_defaults(run=_serve)
     return ap
 
 

@@ -1,0 +1,128 @@
+"""`k26jax serve`: load a checkpoint, compile and warm the engine, serve over uvicorn until SIGTERM / Ctrl-C.
+
+On SIGTERM or SIGINT the server stops accepting connections, serves the requests in flight for up to
+--drain-timeout seconds, fails what is left with a clear error, and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import jax
+import uvicorn
+
+from k26jax import engine
+from k26jax.api import load
+from k26jax.serve.app import ServerConfig, create_app
+from k26jax.serve.metrics import Metrics
+from k26jax.serve.scheduler import Scheduler, buckets
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose exit signal first starts the scheduler's drain."""
+
+    def __init__(self, config, sched: Scheduler, drain_timeout: float):
+        super().__init__(config)
+        self.sched, self.drain_timeout = sched, drain_timeout
+
+    def handle_exit(self, sig, frame):
+        if not self.sched.draining:
+            self.sched.begin_drain(self.drain_timeout)
+        super().handle_exit(sig, frame)
+
+
+def step_config(args, cfg, dcfg) -> engine.StepConfig:
+    """The server's step: per-slot sampling, logprobs with --max-logprobs alternatives, an output capacity of
+    --max-len (each slot's own limit is its request's max_tokens)."""
+    return engine.StepConfig(
+        method=args.method,
+        budget=args.budget,
+        max_new_tokens=args.max_len,
+        eos_ids=tuple(cfg.eos_token_ids),
+        block_size=dcfg.block_size if dcfg is not None else 8,
+        sampling=True,
+        logprobs=True,
+        top_logprobs=args.max_logprobs,
+    )
+
+
+def load_decoder(args):
+    """(Decoder, params, drafter params, tokenizer) for the checkpoint the `serve` arguments name."""
+    model = load(args.ckpt, drafter=args.drafter, dtype=args.dtype)
+    cfg = model.cfg
+    if args.method != "ar" and model.drafter_cfg is None:
+        raise ValueError(f"--method {args.method} needs a drafter: pass --drafter DIR (or use --method ar)")
+    if args.max_len > cfg.max_position_embeddings:
+        raise ValueError(f"--max-len {args.max_len} is beyond max_position_embeddings ({cfg.max_position_embeddings})")
+    dcfg = model.drafter_cfg if args.method != "ar" else None
+    dec = engine.Decoder(cfg, dcfg, step_config(args, cfg, dcfg), model.impls)
+    return dec, model.params, model.drafter_params if dcfg is not None else None, model.tokenizer
+
+
+def start(args, dec: engine.Decoder, params, dparams, tokenizer, name: str):
+    """Warm the engine (compile every insert bucket and the step), start its thread; (scheduler, uvicorn config)."""
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise ValueError(f"--max-batch {args.max_batch} / --max-queue {args.max_queue}: need >= 1 / >= 0")
+    if args.max_len < dec.sc.depth + 3:
+        raise ValueError(
+            f"--max-len {args.max_len}: too short for a prompt, a token and the draft depth {dec.sc.depth}"
+        )
+    metrics = Metrics(dec.sc.depth + 1)  # before the warm-up, so its compilations are counted
+    sched = Scheduler(
+        dec, params, dparams, max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, metrics=metrics
+    )
+    started = time.perf_counter()
+    sched.warm_up()
+    print(
+        f"[k26jax] serving {name} on http://{args.host}:{args.port}: method={args.method}"
+        + (f", budget={args.budget}" if args.method == "ddtree" else "")
+        + f", {args.max_batch} slots, max_len {args.max_len}, prompt buckets {buckets(args.max_len)}; "
+        f"warm-up {time.perf_counter() - started:.1f}s, {metrics.compiled} compilations; "
+        f"device={jax.devices()[0].device_kind}",
+        file=sys.stderr,
+        flush=True,
+    )
+    sched.start()
+    server_cfg = ServerConfig(
+        model_name=name,
+        max_len=args.max_len,
+        depth=dec.sc.depth,
+        vocab_size=dec.cfg.vocab_size,
+        eos_ids=dec.sc.eos_ids,
+        max_logprobs=args.max_logprobs,
+        api_key=args.api_key or os.environ.get("K26JAX_API_KEY") or None,
+    )
+    config = uvicorn.Config(
+        create_app(sched, tokenizer, server_cfg),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.drain_timeout + 2,
+        lifespan="off",
+    )
+    return sched, config
+
+
+def serve(sched: Scheduler, config, drain_timeout: float) -> int:
+    """Run uvicorn until SIGTERM / SIGINT, draining the scheduler first; 0 after a clean stop."""
+    server = DrainingServer(config, sched, drain_timeout)
+    # uvicorn re-raises the exit signal after its graceful shutdown; this handler makes that a clean exit
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        sched.stop()
+    print("[k26jax] server stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def run(args) -> int:
+    """`k26jax serve`."""
+    dec, params, dparams, tokenizer = load_decoder(args)
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.ckpt))
+    sched, config = start(args, dec, params, dparams, tokenizer, name)
+    return serve(sched, config, args.drain_timeout)
