@@ -233,3 +233,43 @@ def guard(what: str = "step", *, exit: bool = True):
             raise err from e
         print(f"PeerLostError: {err}", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_LOST)
+
+
+def broadcast_bytes(payload: bytes | None, key: str, *, timeout_s: float | None = None) -> bytes:
+    """Process 0's `payload` on every process, through the coordination service's key-value store: what must reach
+    all processes before a step (a server's admissions, frees and sampling parameters). Process 0 passes the bytes
+    and gets them back; the others pass None and wait for them at most timeout_s (default heartbeat_timeout_s),
+    then TimeoutError naming the key. Keys are write-once: use one per step (f"admit/{step}"); once every process
+    has run the step that followed, all have read it and process 0 may `forget` it. One process: payload as is."""
+    if jax.process_count() == 1:
+        return payload
+    client = _client()
+    if jax.process_index() == 0:
+        if payload is None:
+            raise ValueError("broadcast_bytes: process 0 must pass the payload")
+        client.key_value_set_bytes(f"k26jax/{key}", payload)
+        return payload
+    timeout_s = cluster().heartbeat_timeout_s if timeout_s is None else timeout_s
+    try:
+        return client.blocking_key_value_get_bytes(f"k26jax/{key}", int(timeout_s * 1000))
+    except jax.errors.JaxRuntimeError as e:
+        if "DEADLINE_EXCEEDED" not in str(e):
+            raise
+        raise TimeoutError(
+            f"k26jax: process {jax.process_index()}: nothing from process 0 under {key!r} within {timeout_s} s; "
+            f"is process 0 alive and at the same step?"
+        ) from e
+
+
+def forget(key: str) -> None:
+    """Process 0: drop a key `broadcast_bytes` published (every process has read it). Elsewhere: nothing."""
+    if jax.process_count() > 1 and jax.process_index() == 0:
+        _client().key_value_delete(f"k26jax/{key}")
+
+
+def _client():
+    """The distributed runtime client (its key-value store). jax 0.11 has no public accessor; this is the object
+    jax.experimental.multihost_utils itself uses."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client

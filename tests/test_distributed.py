@@ -48,6 +48,13 @@ def worker(mode: str, out: str, ckpt: str | None) -> None:
         stats = checkpoint.last_read("target")
         result = {"stats": stats.__dict__, "mesh": dict(mesh.shape), "processes": cluster.num_processes}
         if mode == "forward":
+            admit = json.dumps({"slot": 3, "ids": [1, 2, 3], "temperature": 0.5}).encode() if me == 0 else None
+            result["admit"] = json.loads(distributed.broadcast_bytes(admit, "test/admit/0"))
+            if me:
+                try:
+                    distributed.broadcast_bytes(None, "test/never", timeout_s=1)
+                except TimeoutError as e:
+                    result["timeout"] = str(e)
             from jax.experimental import multihost_utils
 
             with distributed.guard("forward"):
@@ -205,7 +212,8 @@ def test_initialize_one_process_and_bad_environment(monkeypatch):
 
 def test_two_processes_read_their_half_and_match_one_process(ckpt, tmp_path):
     """(slow: two processes) Each process restores only its half of the routed experts, and checks only those
-    chunks; both give the logits of the 1-process x 8-device run (and of each other)."""
+    chunks; both give the logits of the 1-process x 8-device run. Process 0's bytes reach process 1 through the
+    key-value store; a key never published is a TimeoutError, not a hang."""
     import k26jax
     from k26jax import checkpoint, ops, sharding
 
@@ -223,6 +231,8 @@ def test_two_processes_read_their_half_and_match_one_process(ckpt, tmp_path):
         assert stats["verified"] == stats["chunk_files"] == stats["file_reads"]
     expert_bytes = everything.bytes_read - _share(ckpt, 0, 2) + everything.bytes_read - _share(ckpt, 1, 2)
     assert expert_bytes > 0.3 * everything.bytes_read  # the halves are a real saving: the experts dominate
+    assert results[0]["admit"] == results[1]["admit"] == {"slot": 3, "ids": [1, 2, 3], "temperature": 0.5}
+    assert "timeout" not in results[0] and "'test/never' within 1 s" in results[1]["timeout"]
     for i in range(2):
         got = np.load(tmp_path / f"logits{i}.npy")
         assert got.shape == (2, 12, 1024) and _rel_err(got, one) < 1e-5, _rel_err(got, one)
