@@ -1,8 +1,9 @@
 """`k26jax serve` as a client sees it: a real server process on 127.0.0.1 and the official openai client.
 
-One server (tiny checkpoint, float32, DDTree B = 8, 4 slots) serves most tests; a second, short-lived one (AR)
-holds the fault-injection seam and is stopped by SIGTERM. Greedy outputs are checked against `k26jax.generate`
-under DESIGN's near-tie rule (compared up to the first position whose float32 top-1/top-2 margin is < 1e-4).
+One server (tiny checkpoint, float32, DDTree B = 8, 4 slots) serves most tests; a second one (AR), started at the
+same time, holds the fault-injection seam and is stopped by SIGTERM. Greedy outputs are checked against
+`k26jax.generate` under DESIGN's near-tie rule (compared up to the first position whose float32 top-1/top-2 margin
+is < 1e-4).
 """
 
 import concurrent.futures
@@ -89,10 +90,20 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("serve") / "main.log", *MAIN, "--api-key", KEY)
-    yield srv
-    srv.stop()
+def processes(tmp_path_factory):
+    """Both servers, started together so their warm-ups overlap with each other and with `trajectories`."""
+    logs = tmp_path_factory.mktemp("serve")
+    main = ServerProcess(logs / "main.log", *MAIN, "--api-key", KEY)
+    ar_args = ["--method", "ar", "--max-batch", "2", "--max-len", "64", "--drain-timeout", "30"]
+    ar = ServerProcess(logs / "ar.log", *ar_args, env={FAULT_ENV: "2"})
+    yield main, ar
+    main.stop()
+    ar.stop()
+
+
+@pytest.fixture(scope="module")
+def server(processes):
+    return processes[0]
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +114,7 @@ def model():
 @pytest.fixture(scope="module")
 def trajectories(server, model):
     """generate's greedy LONG tokens for PROMPTS (computed while the server warms up) and each one's safe length."""
-    tokens = generate(model, PROMPTS, max_new_tokens=LONG, method="ddtree", budget=8).tokens
+    tokens = generate(model, PROMPTS, max_new_tokens=LONG, method="ar").tokens
     seqs = np.zeros((len(PROMPTS), len(PROMPTS[0]) + LONG), np.int32)
     for i, (p, t) in enumerate(zip(PROMPTS, tokens)):
         seqs[i, : len(p) + len(t)] = p + t
@@ -133,7 +144,7 @@ def long_ones(trajectories, model):
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def client(server, trajectories):
     server.wait_ready()
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
@@ -422,11 +433,8 @@ def test_text_stream_holds_back_partial_stops_and_split_characters(model):
 
 # ---- faults and shutdown (a second server: AR, the fault seam set) -------------------------------------------------
 @pytest.fixture(scope="module")
-def ar_server(tmp_path_factory, server):
-    args = ["--method", "ar", "--max-batch", "2", "--max-len", "64", "--drain-timeout", "30"]
-    srv = ServerProcess(tmp_path_factory.mktemp("serve") / "ar.log", *args, env={FAULT_ENV: "2"})
-    yield srv.wait_ready()
-    srv.stop()
+def ar_server(processes):
+    return processes[1].wait_ready()
 
 
 def test_an_injected_step_fault_fails_its_requests_with_500_and_the_next_succeeds(ar_server):
