@@ -12,8 +12,9 @@ from the arguments, else the environment:
   K26JAX_CPU_DEVICES      CPU only: emulated devices per process (the tests' single-host multi-process form)
 Without the first three, jax's own detection runs under SLURM, Open MPI and the other launchers it knows (or when
 JAX_COORDINATOR_ADDRESS is set); with none of these, `initialize` leaves the process alone (one process). The
-layout wants one process per host owning all of its GPUs (SLURM: --ntasks-per-node=1), so where jax's detection
-would give each process one GPU (its local rank), `initialize` passes every GPU of the host instead.
+layout wants one process per host owning all of its GPUs (SLURM: --ntasks-per-node=1); where the launcher starts
+one process a host, `initialize` gives it every GPU of the host (jax's detection alone would give it only the GPU of
+its local rank). With a process per GPU, make_mesh has one GPU a row: no tensor parallelism.
 
 A dead peer never hangs the others. A collective that needs it fails at once when the transport notices (gloo on
 CPU: "Connection closed by peer"; `guard` turns that into PeerLostError and exits). A process that is not in a
@@ -106,6 +107,15 @@ def _host_gpus() -> list[int] | None:
     return list(range(n)) or None
 
 
+def _launcher_processes_per_host() -> int | None:
+    """Processes the launcher starts on each host, when it says (SLURM inside srun, Open MPI); else None."""
+    steps = os.environ.get("SLURM_STEP_TASKS_PER_NODE")  # e.g. "1(x2)" or "8(x2),4"
+    if steps:
+        return max(int(part.split("(")[0]) for part in steps.split(","))
+    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    return int(local) if local else None
+
+
 def _device_ids(given) -> list[int] | None:
     raw = given if given is not None else os.environ.get(ENV_LOCAL_DEVICE_IDS)
     if raw is None or raw == "":
@@ -164,7 +174,8 @@ def initialize(
     # On CPU the cross-process collectives are gloo over TCP (jax's default in 0.11; set so that an older or
     # differently configured jax does not silently have none).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if coordinator is None and device_ids is None and not os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+    one_per_host = _launcher_processes_per_host() == 1
+    if coordinator is None and device_ids is None and one_per_host and not os.environ.get("JAX_LOCAL_DEVICE_IDS"):
         device_ids = _host_gpus()  # else jax's launcher detection gives each process only its local rank's GPU
     try:
         jax.distributed.initialize(

@@ -212,6 +212,44 @@ def test_initialize_one_process_and_bad_environment(monkeypatch):
     monkeypatch.setattr(distributed, "_CLUSTER", None)
 
 
+@pytest.mark.parametrize(
+    "env,want",
+    [
+        ({"K26JAX_COORDINATOR": "10.0.0.1:9", "K26JAX_NUM_PROCESSES": "2", "K26JAX_PROCESS_ID": "1"}, None),
+        (
+            {"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "CUDA_VISIBLE_DEVICES": "0,1,2"},
+            [0, 1, 2],
+        ),
+        (
+            {"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "CUDA_VISIBLE_DEVICES": "0,1,2"},
+            None,
+        ),
+        ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "1", "K26JAX_LOCAL_DEVICE_IDS": "4,5"}, [4, 5]),
+    ],
+)
+def test_what_initialize_asks_of_jax(monkeypatch, env, want):
+    """Explicit K26JAX_* settings turn jax's launcher detection off; under a launcher that starts one process a host,
+    the process gets every GPU of the host (jax alone would give it its local rank's one); several a host: jax's."""
+    import jax
+
+    from k26jax import distributed
+
+    for var in ("K26JAX_COORDINATOR", "K26JAX_NUM_PROCESSES", "K26JAX_PROCESS_ID", "K26JAX_LOCAL_DEVICE_IDS"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(distributed, "_CLUSTER", None)
+    distributed.initialize(heartbeat_timeout_s=7)
+    monkeypatch.setattr(distributed, "_CLUSTER", None)
+    (kw,) = calls
+    assert kw["local_device_ids"] == want and kw["heartbeat_timeout_seconds"] == 7
+    explicit = "K26JAX_COORDINATOR" in env
+    assert kw["cluster_detection_method"] == ("deactivate" if explicit else None)
+    assert (kw["coordinator_address"], kw["process_id"]) == (("10.0.0.1:9", 1) if explicit else (None, None))
+
+
 def test_two_processes_read_their_half_and_match_one_process(ckpt, tmp_path):
     """(slow: two processes) Each process restores only its half of the routed experts, and checks only those
     chunks; both give the logits of the 1-process x 8-device run. Process 0's bytes reach process 1 through the
