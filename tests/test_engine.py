@@ -247,7 +247,7 @@ def test_inserted_slots_decode_as_a_batch_with_their_own_sampling_and_limits(mod
     # (slot, prompt index, temperature, top_p, token limit)
     plan = [(2, 0, 0.0, 1.0, NEW), (0, 1, 1.0, 0.9, NEW), (1, 2, 0.0, 1.0, 20)]
     for slot, i, t, p, limit in plan:
-        ids = np.zeros((1, 16 if len(PROMPTS[i]) <= 16 else 32), np.int32)
+        ids = np.zeros((1, 32), np.int32)  # one prompt bucket: one insert executable
         ids[0, : len(PROMPTS[i])] = PROMPTS[i]
         args = (np.int32(len(PROMPTS[i])), np.uint32(7), np.float32(t), np.float32(p), np.int32(limit))
         state = dec.insert(params, dparams, state, np.int32(slot), ids, *args)
