@@ -163,11 +163,11 @@ def run_engine(tiny, profile, method, budget, C, steps):
 
 
 def test_engine_chain_tau_is_the_target(tiny, profile):
-    lens, state = run_engine(tiny, profile, "chain", 7, C=16, steps=32)
+    lens, state = run_engine(tiny, profile, "chain", 7, C=32, steps=12)
     assert abs(lens.mean() - 5.3) < 4 * lens.std() / np.sqrt(lens.size), lens.mean()
     assert (np.asarray(state.num_out) == 1 + lens.sum(0)).all()  # every accepted token was emitted
 
 
 def test_engine_ddtree_tau(tiny, profile, curve):
-    lens, _ = run_engine(tiny, profile, "ddtree", 16, C=8, steps=16)
+    lens, _ = run_engine(tiny, profile, "ddtree", 16, C=8, steps=12)
     assert abs(lens.mean() - curve[16]) < 4 * lens.std() / np.sqrt(lens.size), (lens.mean(), curve[16])
