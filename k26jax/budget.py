@@ -1,33 +1,26 @@
 """Choosing the tree budget each step: expected accept length per budget, a step cost model, the choice.
 
-Expected accept length. The best-first build pops nodes in decreasing path probability, and the tree of budget B
-is the first B pops of the build at any larger budget (the pop order does not depend on the budget: tested
-against tree_build_reference and k26jax.ddtree). So ONE build at the largest candidate gives E[tau](B) for every
-B by prefix sums: under the drafter's own probabilities E[tau](B) = 1 + sum over the first B nodes of
-P(path accepted) = 1 + sum_a S_a(B), with S_a(B) the path probability mass of the depth-a nodes among them.
-`calibrate` maps S_a through a monotone g fitted on observed accept lengths when the drafter is miscalibrated.
+E[tau] per budget from ONE build: the best-first pop order does not depend on the budget, so the budget-B tree
+is the first B nodes of the build at the largest budget (tested against tree_build_reference and k26jax.ddtree,
+ties included). Under the drafter's own probabilities E[tau](B) = 1 + sum_a S_a(B), S_a(B) the path probability
+of the depth-a nodes among the first B (prefix sums; `calibrate` maps S_a when the drafter is miscalibrated).
+`StepCost`: a linear model over roofline terms (weights, touched routed experts, latent-cache attention bytes and
+FLOPs, drafter, per-layer latency floors, tree build; collectives explicit), fitted on bench_e2e records; one GPU
+at depth N or the 61-layer n-GPU step. `choose_budget` (jnp) / `choose_budget_host` (numpy) maximise
+sum_c E[tau_c](B) / t_step(B); `choose_budget_per_sequence` for a cost additive over sequences.
 
-Cost. `StepCost` is a linear model over roofline terms (bytes over the copy rate, FLOPs over the matmul rate, per
-part of the step: weights, routed experts touched, latent-cache attention, drafter, tree build, collectives
-given explicitly), fitted on bench_e2e records; `t_step` for one GPU at depth N or the 61-layer n-GPU step.
-
-The choice maximises expected tokens/s: sum_c E[tau_c](B) / t_step(B) (per batch), or per sequence under an
-additive per-token cost (Dinkelbach). `choose_budget` is pure jnp (inside a jitted step); `choose_budget_host`
-is its numpy twin.
-
-Where the choice runs (to be decided by GPU measurements; the engine integration is a later task):
-  * in the step, lax.switch over the candidates' verify widths: no extra step latency, but an XLA conditional on
-    GPU reads its branch index on the host (a device->host sync inside the step) and compiles every branch;
-  * one step late, on the host: the step returns E[tau] per candidate (`candidate_taus`, [C, nB]); the host, which
-    already reads the emitted tokens every step, picks the next step's budget and calls that budget's executable
-    (same DecodeState shapes for chain and every budget). No sync added; the estimate is one step stale;
-  * per sequence: tree_build takes per-sequence budgets inside one compiled width; this saves verify time only if
-    padded nodes are skipped (ragged MoE rows / attention), which the step does not do today.
-Recommendation: host, one step late, per batch. Measure on the GPU: (1) the step with `candidate_taus` at B_max
-= 128 against the fixed step (top-K over the vocab at K = 128 plus the 128-pop build must stay <= 2% of a step;
-cap K with max_topk if not); (2) the lax.switch step's sync cost; (3) lag-1 loss: tok/s of the stale choice
-against the same-step choice on the mini pair; (4) the cost grid (chain, B = 8..128 x C = 1, 4, 8, 16 x context
-1K, 8K, 32K) to refit and hold out `StepCost`.
+Where the choice runs (decide on the GPU): (a) in the step, lax.switch over the candidates' verify widths: on
+GPU an XLA conditional reads its branch index on the host (a sync in the step) and every branch is compiled;
+(b) one step late on the host: the step returns `candidate_taus(...).tau` [C, nB], the host (which reads the
+emitted tokens each step anyway) picks the next budget and runs that budget's executable (chain and every
+budget share DecodeState shapes); no sync added, the estimate one step stale; (c) per sequence: tree_build's
+per-sequence budgets inside one width, which saves time only once padded nodes are skipped (ragged MoE rows and
+attention). Recommended: (b), per batch. Measure: the step with `candidate_taus` at B_max = 128 against the
+fixed step (top-K at K = 128 + 128 pops must stay <= 2% of a step, else cap K with max_topk); the sync of (a);
+the lag-1 loss of (b) against a same-step choice on the mini pair; the cost grid (chain, B = 8..128 x C = 1, 4,
+8, 16 x context 1K, 8K, 32K, with touched experts counted) to refit and hold out `StepCost`.
+Integration needs: StepConfig.budget "auto" + candidates (+ calibration, static); DecodeState.tau_pred [C, nB],
+survival [C, L] of the verified tree, budget_index per step; stats: per-step budget, predicted and realised tau.
 """
 
 from __future__ import annotations
@@ -40,9 +33,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from k26jax import ops
-from k26jax.config import DrafterConfig, ModelConfig, build_target_layer_ids
+from k26jax import ops, sharding
+from k26jax.config import DrafterConfig, ModelConfig, build_target_layer_ids, preset
+from k26jax.model import drafter as drafter_lib
+from k26jax.model import target
 
 CANDIDATES = (("chain", 7), ("ddtree", 8), ("ddtree", 16), ("ddtree", 32), ("ddtree", 64), ("ddtree", 128))
 
@@ -297,11 +293,6 @@ def experts_touched(tokens: int, num_experts: int, top_k: int, shards: int = 1, 
 @functools.lru_cache(maxsize=64)
 def _weight_parts(cfg: ModelConfig, dcfg: DrafterConfig, n: int, expert_mode: str) -> dict:
     """Per-GPU {part: (bytes, elements)} of bf16 weights split over n GPUs as k26jax.sharding says."""
-    from jax.sharding import PartitionSpec as P
-
-    from k26jax import sharding
-    from k26jax.model import drafter as drafter_lib
-    from k26jax.model import target
 
     def per_gpu(tree, specs):
         out = {}
@@ -534,8 +525,6 @@ def fit_build(builds, vocab: int = 163840, block_size: int = 8) -> tuple:
 
 
 def _config(layers: int):
-    from k26jax.config import preset
-
     cfg = preset(f"k26-depth{layers}")
     return cfg, kimi_drafter_config(cfg)
 
