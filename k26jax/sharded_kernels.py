@@ -40,13 +40,14 @@ def shard_experts(local_moe, mesh: Mesh, *, mode: str = "ep", stacked: bool = Fa
     """local_moe(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, *, expert_offset, layer)
     -> fp32 partial y [M, D] of one shard's experts, run under shard_map and summed over sharding.MODEL. Returns
     f(x, ..., w2_scale[, layer]) with arguments sharded as `moe_specs(mode, stacked=)`; stacked: the weights keep
-    their layer axis and f takes the layer (int32 []). Under "ep" shard s owns experts [s * E_local, ...)."""
-    axis = sharding.MODEL
+    their layer axis and f takes the layer (int32 []). Under "ep" shard s owns experts [s * E_local, ...); under
+    "ep_global" s counts over ("data", "model"), the experts spanning every host, and the sum runs over both."""
+    axis = (sharding.DATA, sharding.MODEL) if mode == "ep_global" else sharding.MODEL
     specs = moe_specs(mode, stacked=stacked) + ((P(),) if stacked else ())
 
     def per_shard(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, layer=None):
         experts_local = w13_packed.shape[1 if stacked else 0]
-        offset = jax.lax.axis_index(axis) * experts_local if mode == "ep" else 0
+        offset = jax.lax.axis_index(axis) * experts_local if mode in ("ep", "ep_global") else 0
         args = (x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
         y = local_moe(*args, expert_offset=offset, layer=layer)
         return jax.lax.psum(y, axis).astype(x.dtype)

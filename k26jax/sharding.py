@@ -62,15 +62,8 @@ def make_mesh(num_devices: int | None = None, *, data: int | None = None) -> Mes
 def expert_partition_specs(expert_mode: str = "ep") -> dict:
     """PartitionSpecs of the stacked routed-expert leaves (w13_packed, w13_scale [n, E, D/g, 2, Im], w2_packed,
     w2_scale [n, E, Im/g, D]) for the sharded MoE kernels (sharded_kernels.moe_specs): "ep" splits the experts,
-    "tp" the intermediate dim Im (gate/up pairs stay whole). "ep_global" is refused here until
-    sharded_kernels.shard_experts offsets its experts and sums over ("data", "model"), not "model" alone: run as is
-    it would silently give wrong outputs (the XLA reference path shards it correctly, from param_partition_specs)."""
+    "tp" the intermediate dim Im (gate/up pairs stay whole), "ep_global" the experts over ("data", "model")."""
     _check_mode(expert_mode)
-    if expert_mode not in EXPERT_MODES:
-        raise NotImplementedError(
-            f"expert_mode={expert_mode!r}: the sharded Pallas MoE (k26jax/sharded_kernels.py) splits experts over "
-            f"{MODEL!r} only; use the reference MoE (ops.Impls(moe='reference')) or one of {EXPERT_MODES}"
-        )
     return {name: P(None, *axes) for name, axes in param_table.EXPERT_AXES[expert_mode].items()}
 
 

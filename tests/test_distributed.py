@@ -164,7 +164,7 @@ def _rel_err(a, b) -> float:
 
 def test_mesh_layout_one_process():
     """One process: make_mesh is the (1, n) mesh it always was; data=2 gives the two-host layout on one host;
-    "ep_global" fitted to a (1, n) mesh is exactly "ep"; the sharded Pallas MoE refuses "ep_global" for now."""
+    "ep_global" fitted to a (1, n) mesh is exactly "ep"."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -188,8 +188,7 @@ def test_mesh_layout_one_process():
     assert sharding.fit_spec(P(None, ("data", "model")), (3, 16), two) == P(None, ("data", "model"))
     assert sharding.fit_spec(P(None, ("data", "model")), (3, 12), two) == P(None, None)  # 8 does not divide 12
     assert sharding.EXPERT_MODES == ("ep", "tp")  # the single-host layouts the tools offer are unchanged
-    with pytest.raises(NotImplementedError, match="sharded Pallas MoE"):  # it would sum over "model" only
-        sharding.expert_partition_specs("ep_global")
+    assert sharding.expert_partition_specs("ep_global")["w2_packed"] == P(None, ("data", "model"), None, None)
 
 
 def test_initialize_one_process_and_bad_environment(monkeypatch):

@@ -214,7 +214,7 @@ def test_bad_arguments_name_the_argument():
         moe.fused_moe(x, ids, weights, *packed, tiling=moe.Tiling(dequant="asm"), interpret=True)
 
 
-@pytest.mark.parametrize("mode", ["ep", "tp"])
+@pytest.mark.parametrize("mode", ["ep", "tp", "ep_global"])
 def test_sharded_forms_equal_unsharded_reference(mode):
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     packed, _ = random_experts(10, num_experts=8, d=256, i=1024)  # TP: I/4 = 256 per shard
