@@ -71,8 +71,10 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from k26jax.serve import server
-
+    try:
+        from k26jax.serve import server
+    except ModuleNotFoundError as e:
+        raise ValueError(f"`k26jax serve` needs {e.name}: pip install 'k26jax[serve]'") from None
     return server.run(args)
 
 
@@ -108,7 +110,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="slots decoded together")
     s.add_argument("--max-len", type=int, default=4096, help="cache rows per slot: prompt + completion + draft")
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before a 503")
-    s.add_argument("--max-logprobs", type=int, default=20, help="the most top_logprobs a request may ask (<= 20)")
+    s.add_argument(
+        "--max-logprobs", type=int, default=20, help="the most top_logprobs a request may ask (<= 20; 0: none)"
+    )
     s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $K26JAX_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: CKPT's name)")
     s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

@@ -223,7 +223,8 @@ def prefill(
         ctx_k = ctx_v = jnp.zeros((0, C, 0, 0, 0), rows.dtype)
     P = sc.depth + 1
     emitted = jnp.zeros((C, P), jnp.int32).at[:, 0].set(first)
-    logprob, top_ids, top_logprob = _logprobs(jnp.repeat(last, P, axis=1), emitted, sc)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, P - 1)] + [(0, 0)] * (x.ndim - 2)) if x.shape[1] else x
+    logprob, top_ids, top_logprob = map(pad, _logprobs(last, first[:, None], sc))  # [C, 1, ...] -> [C, P, ...]
     state = DecodeState(
         cache=cache,
         ctx_k=ctx_k,
