@@ -144,21 +144,25 @@ def _is_hf_dir(path: str) -> bool:
 
 
 def _attach_drafter(model: Model, drafter_dir: str, dtype: str, verify: bool = True) -> None:
+    """A converted drafter is restored straight onto the model's mesh (each process reads its own shards); a HF
+    drafter is read on the host, cast, then placed."""
     from k26jax.model import drafter as drafter_lib
 
     if _is_hf_dir(drafter_dir):
         from k26jax import hf
 
         dcfg, dparams = hf.read_drafter(drafter_dir)
+        dparams = jax.tree.map(
+            lambda a: np.asarray(a, DTYPES[dtype]) if np.issubdtype(np.asarray(a).dtype, np.floating) else a, dparams
+        )
+        if model.mesh is not None:
+            specs = drafter_lib.drafter_partition_specs(dcfg, model.mesh.shape[sharding.MODEL])
+            dparams = jax.device_put(dparams, sharding.shardings_for(dparams, specs, model.mesh))
+        else:
+            dparams = jax.tree.map(jnp.asarray, dparams)
     else:
         from k26jax import checkpoint
 
-        dcfg, dparams = checkpoint.restore_drafter(drafter_dir, verify=verify)
+        dcfg, dparams = checkpoint.restore_drafter(drafter_dir, mesh=model.mesh, dtype=dtype, verify=verify)
     dcfg.check_target(model.cfg)
-    dparams = jax.tree.map(
-        lambda a: jnp.asarray(a, DTYPES[dtype]) if np.issubdtype(np.asarray(a).dtype, np.floating) else a, dparams
-    )
-    if model.mesh is not None:
-        specs = drafter_lib.drafter_partition_specs(dcfg, model.mesh.shape[sharding.MODEL])
-        dparams = jax.device_put(dparams, sharding.shardings_for(dparams, specs, model.mesh))
     model.drafter_cfg, model.drafter_params = dcfg, dparams
