@@ -65,7 +65,7 @@ def path_logq(tokens_CB, depths_CB, parents_CB1, logq_CLK, ids_CLK):
     return jnp.where(depths_CB > 0, total, -jnp.inf)
 
 
-def accept_curve(path_logq_CB):
+def expected_accept(path_logq_CB):
     """E[tau] of the budget-b prefix tree for b = 0..B, [C, B+1] (calibrated drafter)."""
     mass = jnp.exp(path_logq_CB)
     return 1 + jnp.concatenate([jnp.zeros_like(mass[:, :1]), jnp.cumsum(mass, axis=1)], axis=1)

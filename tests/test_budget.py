@@ -72,17 +72,17 @@ def test_expected_accept_is_exact_for_a_calibrated_drafter():
     q = np.asarray(jax.nn.softmax(logits[0], -1), np.float64)
     logq, ids = tb.draft_topk(logits, V)
     tree = tb.tree_build_reference(logq, ids, jnp.array([12]), max_budget=12)
-    curve = np.asarray(jax.jit(lambda *a: budget.accept_curve(budget.path_logq(*a)))(*tree[:3], logq, ids))[0]
+    curve = np.asarray(jax.jit(lambda *a: budget.expected_accept(budget.path_logq(*a)))(*tree[:3], logq, ids))[0]
     for b in (0, 1, 3, 6, 12):
         tokens, _, parents, _ = (np.asarray(x)[0] for x in budget.prefix_tree(tree, b))
+        depth = np.zeros(b + 1, np.int64)
+        for i in range(1, b + 1):
+            depth[i] = depth[parents[i]] + 1
         exact = 0.0
         for seq in itertools.product(range(V), repeat=L):
             prob = np.prod([q[d, t] for d, t in enumerate(seq)])
-            post = np.zeros(b + 1, np.int64)  # node at depth d sees the target's token at depth d + 1
-            depth = np.zeros(b + 1, np.int64)
-            for i in range(1, b + 1):
-                depth[i] = depth[parents[i]] + 1
-            post = np.array([seq[min(depth[i], L - 1)] if depth[i] < L else -1 for i in range(b + 1)])
+            # the target's choice at a node of depth d is its token at depth d + 1 (none past L)
+            post = np.array([seq[depth[i]] if depth[i] < L else -1 for i in range(b + 1)])
             path, _ = ddtree.follow_tree(tokens, parents, post)
             exact += prob * len(path)
         assert curve[b] == pytest.approx(exact, rel=1e-5), b
@@ -98,7 +98,7 @@ def test_candidate_taus_columns():
     np.testing.assert_allclose(tau[:, 1], 1 + np.cumprod(q.max(-1), axis=1).sum(1), rtol=1e-5)
     logq, ids = tb.draft_topk(logits, 48)
     t = out.tree
-    curve = np.asarray(jax.jit(lambda *a: budget.accept_curve(budget.path_logq(*a)))(t[0], t[1], t[2], logq, ids))
+    curve = np.asarray(jax.jit(lambda *a: budget.expected_accept(budget.path_logq(*a)))(t[0], t[1], t[2], logq, ids))
     np.testing.assert_allclose(tau[:, 2:], curve[:, [8, 16, 48]], rtol=1e-5)
     assert (np.diff(tau[:, 2:], axis=1) > 0).all()
     assert (tau[:, 2] >= tau[:, 1] - 1e-6).all()  # 8 best-first nodes beat the 7-node chain
