@@ -428,7 +428,7 @@ def _shardings(manifest: dict, specs: dict, mesh: Mesh | None) -> dict:
     if missing:
         raise ValueError(f"checkpoint leaves and the parameter tree differ: {missing[:8]}")
     if mesh is None:
-        device = SingleDeviceSharding(jax.devices()[0])
+        device = SingleDeviceSharding(jax.local_devices()[0])
         return {name: device for name in specs}
     return {
         name: NamedSharding(mesh, sharding.fit_spec(spec, tuple(manifest["leaves"][name]["shape"]), mesh))
