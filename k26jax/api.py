@@ -153,7 +153,7 @@ def _attach_drafter(model: Model, drafter_dir: str, dtype: str, verify: bool = T
 
         dcfg, dparams = hf.read_drafter(drafter_dir)
         dparams = jax.tree.map(
-            lambda a: np.asarray(a, DTYPES[dtype]) if np.issubdtype(np.asarray(a).dtype, np.floating) else a, dparams
+            lambda a: np.asarray(a, DTYPES[dtype]) if jnp.issubdtype(np.asarray(a).dtype, jnp.floating) else a, dparams
         )
         if model.mesh is not None:
             specs = drafter_lib.drafter_partition_specs(dcfg, model.mesh.shape[sharding.MODEL])
