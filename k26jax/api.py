@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 
 import jax
@@ -16,6 +17,7 @@ from k26jax.config import ModelConfig
 from k26jax.model import target
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -126,6 +128,9 @@ def load(
 
         cfg, params = checkpoint.restore(path, mesh=mesh, expert_mode=expert_mode, dtype=dtype, verify=verify)
     model = Model(cfg, params, impls, mesh, path=path)
+    log.info(
+        "%s: %d layers on %s, kernels: %s", path, cfg.num_hidden_layers, jax.default_backend(), ops.kernel_path(impls)
+    )
     drafter_dir = os.path.join(path, "drafter") if drafter is None else drafter
     if drafter_dir and os.path.isdir(drafter_dir):
         _attach_drafter(model, drafter_dir, dtype, verify)

@@ -1,18 +1,35 @@
 """The `k26jax` command line (also `python -m k26jax`): `generate` streams decoding of prompts; `serve` runs the
 OpenAI-compatible server (k26jax/serve/).
 
-A user's mistake (a bad path, flag or prompt) prints one `error: ...` line and exits 2; Ctrl-C exits 130;
-`--debug` shows the traceback of anything. Tracebacks of real bugs are kept.
+A user's mistake (a bad path, flag or prompt) prints one `error: ...` line and exits 2; running out of device
+memory says what to lower; Ctrl-C exits 130; `--debug` shows the traceback of anything. Tracebacks of real bugs are
+kept. The library's progress (loading, verifying, compiling) is logged to stderr. Compiled programs persist in
+$K26JAX_CACHE_DIR (default ~/.cache/k26jax/jax), so a second run does not compile again (--no-compile-cache: off).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import sys
 
 from k26jax.config import ConfigError
 
 USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError)
+
+
+def _setup(args):
+    """Logging to stderr and jax's persistent compilation cache, before anything compiles."""
+    import jax
+
+    logging.basicConfig(format="[k26jax] %(message)s", stream=sys.stderr)
+    logging.getLogger("k26jax").setLevel(logging.DEBUG if args.debug else logging.INFO)
+    if not args.no_compile_cache:
+        cache = os.environ.get("K26JAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k26jax", "jax"))
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _generate(args) -> int:
@@ -22,17 +39,15 @@ def _generate(args) -> int:
     from k26jax.generation import generate
     from k26jax.tokenizer import StreamDecoder
 
-    model = load(args.ckpt, drafter=args.drafter, dtype=args.dtype)
+    model = load(args.ckpt, drafter=args.drafter, dtype=args.dtype, verify=not args.no_verify)
+    if args.method != "ar" and model.drafter_cfg is None:
+        raise ValueError(f"--method {args.method} needs a DFlash drafter: pass --drafter DIR, or use --method ar")
     tok = model.tokenizer
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else tok.encode(p) for p in args.prompt
     ]
-    print(
-        f"[k26jax] {args.ckpt}: {model.cfg.num_hidden_layers} layers, method={args.method}"
-        + (f", budget={args.budget}" if args.method == "ddtree" else "")
-        + f", backend={jax.default_backend()}",
-        file=sys.stderr,
-    )
+    budget = f", budget={args.budget}" if args.method == "ddtree" else ""
+    print(f"[k26jax] method={args.method}{budget}, {len(prompts)} prompt(s)", file=sys.stderr)
     single = len(prompts) == 1
     streams = [StreamDecoder(tok) for _ in prompts]
 
@@ -40,17 +55,28 @@ def _generate(args) -> int:
         text = streams[i].feed(new_ids)
         print(text if single else f"[{i}] {text}", end="" if single else "\n", flush=True)
 
-    result = generate(
-        model,
-        prompts,
-        max_new_tokens=args.max_new_tokens,
-        method=args.method,
-        budget=args.budget,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        on_tokens=on_tokens,
-    )
+    profiling = jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext()
+    try:
+        with profiling:
+            result = generate(
+                model,
+                prompts,
+                max_new_tokens=args.max_new_tokens,
+                method=args.method,
+                budget=args.budget,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+                on_tokens=on_tokens,
+            )
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ValueError(
+            f"out of device memory decoding a batch of {len(prompts)} prompt(s) with up to "
+            f"{max(map(len, prompts))} + {args.max_new_tokens} tokens each (method {args.method}, budget "
+            f"{args.budget}): lower --max-new-tokens, the number of --prompt, or --budget"
+        ) from None
     for i, s in enumerate(streams):
         rest = s.flush()
         if rest:
@@ -67,6 +93,8 @@ def _generate(args) -> int:
         f"\n[k26jax] {s['new_tokens']} tokens in {s['steps']} steps, {speed}, prefill {s['prefill_s']:.2f}s",
         file=sys.stderr,
     )
+    if args.profile:
+        print(f"[k26jax] profile of the run in {args.profile}: open it with TensorBoard or Perfetto", file=sys.stderr)
     return 0
 
 
@@ -97,6 +125,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    g.add_argument("--no-verify", action="store_true", help="skip checking a converted checkpoint's chunk sha256s")
+    g.add_argument("--profile", default=None, metavar="DIR", help="write a jax.profiler trace of the decode to DIR")
+    g.add_argument("--no-compile-cache", action="store_true", help="do not keep compiled programs on disk")
     g.add_argument("--debug", dest="debug_here", action="store_true", help="show tracebacks")
     g.set_defaults(run=_generate)
 
@@ -118,6 +149,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.add_argument("--no-compile-cache", action="store_true", help="do not keep compiled programs on disk")
     s.add_argument("--debug", dest="debug_here", action="store_true", help="show tracebacks")
     s.set_defaults(run=_serve)
     return ap
@@ -125,13 +157,15 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    args.debug = args.debug or getattr(args, "debug_here", False)
     try:
+        _setup(args)
         return args.run(args)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
     except USER_ERRORS as e:
-        if args.debug or getattr(args, "debug_here", False):
+        if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -421,24 +421,29 @@ def step(
         tokens, depths = jnp.zeros((C, 0), jnp.int32), jnp.zeros((C, 0), jnp.int32)
         parents, num_nodes = jnp.full((C, 1), -1, jnp.int32), jnp.zeros(C, jnp.int32)
     else:
-        draft_CLV = drafter.propose(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc)
-        tokens, depths, parents, num_nodes = build_tree(draft_CLV, sc=sc, impls=impls)
-    ids = jnp.concatenate([state.root[:, None], jnp.maximum(tokens, 0)], axis=1)  # [C, B+1]
-    positions = state.cache.lengths[:, None] + jnp.concatenate(
-        [jnp.zeros((C, 1), jnp.int32), jnp.maximum(depths, 0)], axis=1
-    )
-    visibility = ops.visibility_from_parents(parents, max_depth=L)
-    layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None and L else ()
-    model = target.K2Model.from_params(cfg, params)
-    logits, tail_rows, feats = model.verify(
-        ids, positions, state.cache.rows, state.cache.lengths, visibility, impls, layer_ids
-    )
-    post = choose(logits, k_choice, state.temperature, state.top_p, sampling=sc.sampling)  # [C, B+1]
-    if sc.method == "ar":
-        path, accept_len, bonus = jnp.zeros((C, 1), jnp.int32), jnp.ones(C, jnp.int32), post[:, 0]
-    else:
-        path, accept_len, bonus = acceptor.accept(tokens, parents, post, num_nodes, state, sc=sc, impls=impls)
-    state = commit(state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc)
+        with jax.named_scope("draft"):
+            draft_CLV = drafter.propose(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc)
+        with jax.named_scope("tree_build"):
+            tokens, depths, parents, num_nodes = build_tree(draft_CLV, sc=sc, impls=impls)
+    with jax.named_scope("verify"):
+        ids = jnp.concatenate([state.root[:, None], jnp.maximum(tokens, 0)], axis=1)  # [C, B+1]
+        positions = state.cache.lengths[:, None] + jnp.concatenate(
+            [jnp.zeros((C, 1), jnp.int32), jnp.maximum(depths, 0)], axis=1
+        )
+        visibility = ops.visibility_from_parents(parents, max_depth=L)
+        layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None and L else ()
+        model = target.K2Model.from_params(cfg, params)
+        logits, tail_rows, feats = model.verify(
+            ids, positions, state.cache.rows, state.cache.lengths, visibility, impls, layer_ids
+        )
+    with jax.named_scope("accept"):
+        post = choose(logits, k_choice, state.temperature, state.top_p, sampling=sc.sampling)  # [C, B+1]
+        if sc.method == "ar":
+            path, accept_len, bonus = jnp.zeros((C, 1), jnp.int32), jnp.ones(C, jnp.int32), post[:, 0]
+        else:
+            path, accept_len, bonus = acceptor.accept(tokens, parents, post, num_nodes, state, sc=sc, impls=impls)
+    with jax.named_scope("commit"):
+        state = commit(state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc)
     if not sc.logprobs:
         return state
     # emitted token j was chosen at path node j: its distribution is that node's row of logits

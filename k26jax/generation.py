@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from typing import Callable
@@ -13,6 +14,8 @@ import numpy as np
 
 from k26jax import engine
 from k26jax.api import Model
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CKPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tiny")
 
@@ -99,6 +102,7 @@ def generate(
     ids, lengths, cache_len = _prepare(model, prompts, max_new_tokens, sc, max_len)
     dec = engine.Decoder(model.cfg, dcfg, sc, model.impls, drafter=drafter or engine.DFlashDraft())
     dparams = model.drafter_params if dcfg is not None else None
+    log.info("prefill of %d prompt(s) of up to %d tokens (compiled on first use of these shapes)", *ids.shape)
     t0 = time.perf_counter()
     state = dec.prefill(
         model.params,
@@ -112,6 +116,7 @@ def generate(
     )
     jax.block_until_ready(state)
     t1 = time.perf_counter()
+    log.info("compiling the %s step (first run only: then from the in-memory or persistent cache)", method)
     decode = dec.compile("loop" if loop == "while" else "step", model.params, dparams, state)
     t_compiled = time.perf_counter()
     if loop == "while":

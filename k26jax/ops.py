@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from k26jax import sharded_kernels
-from pallas_kernels import int4_moe_gemm
+from pallas_kernels import arch, int4_moe_gemm
 from pallas_kernels import tree_accept as tree_accept_kernel
 from pallas_kernels import tree_build as tree_build_kernel
 from pallas_kernels import tree_mla_attention as mla_kernel
@@ -77,13 +77,14 @@ def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
     if impls.moe == SKIP:
         return x_ND
     args = (x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
-    if impls.moe == "reference":
-        return int4_moe_gemm.fused_moe_reference(*args, layer=layer)
-    if impls.sharded:
-        return fused_moe_sharded(
-            impls.mesh, mode=impls.expert_mode, impl="pallas", interpret=impls.interpret, stacked=True
-        )(*args, layer)
-    return int4_moe_gemm.fused_moe(*args, interpret=impls.interpret, layer=layer)
+    with jax.named_scope("moe"):
+        if impls.moe == "reference":
+            return int4_moe_gemm.fused_moe_reference(*args, layer=layer)
+        if impls.sharded:
+            return fused_moe_sharded(
+                impls.mesh, mode=impls.expert_mode, impl="pallas", interpret=impls.interpret, stacked=True
+            )(*args, layer)
+        return int4_moe_gemm.fused_moe(*args, interpret=impls.interpret, layer=layer)
 
 
 def mla_attention(q_lat, q_rope, cache, prefix_len, tail_rows, visibility, *, scale: float, layer, impls: Impls):
@@ -96,13 +97,14 @@ def mla_attention(q_lat, q_rope, cache, prefix_len, tail_rows, visibility, *, sc
     if impls.attention == SKIP:
         return q_lat
     args = (q_lat, q_rope, cache, prefix_len, tail_rows, visibility)
-    if impls.attention == "reference":
-        return mla_kernel.tree_mla_attention_reference(*args, scale=scale, layer=layer)
-    if impls.sharded:
-        return tree_mla_attention_sharded(impls.mesh, impl="pallas", interpret=impls.interpret)(
-            *args, scale=scale, layer=layer
-        )
-    return mla_kernel.tree_mla_attention(*args, scale=scale, layer=layer, interpret=impls.interpret)
+    with jax.named_scope("attention"):
+        if impls.attention == "reference":
+            return mla_kernel.tree_mla_attention_reference(*args, scale=scale, layer=layer)
+        if impls.sharded:
+            return tree_mla_attention_sharded(impls.mesh, impl="pallas", interpret=impls.interpret)(
+                *args, scale=scale, layer=layer
+            )
+        return mla_kernel.tree_mla_attention(*args, scale=scale, layer=layer, interpret=impls.interpret)
 
 
 def fused_moe_sharded(mesh: Mesh, *, mode="ep", impl="pallas", interpret=False, tiling=None, stacked=False):
@@ -136,6 +138,14 @@ def tree_mla_attention_sharded(mesh: Mesh, *, impl: str = "pallas", interpret: b
     else:
         attention = mla_kernel.tree_mla_attention_reference
     return sharded_kernels.shard_heads(attention, mesh)
+
+
+def kernel_path(impls: Impls) -> str:
+    """Which kernels the ops run, in words: "reference (jnp)", or the Pallas backends this GPU takes."""
+    if impls.attention != "pallas" and impls.moe != "pallas":
+        return "reference (jnp)"
+    backend = "Pallas Mosaic GPU + Triton (Hopper)" if arch.has_wgmma() else "Pallas Triton"
+    return backend + (" under shard_map" if impls.sharded else "")
 
 
 def draft_topk(draft_logits_CLV, k: int):

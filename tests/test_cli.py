@@ -2,6 +2,7 @@
 code 2, never a traceback; streamed text equals the full decode, multi-byte characters included."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -47,7 +48,39 @@ def test_generate_streams_and_reports_tau():
     r = run_cli("generate", "--prompt", "Café 日本語", "--max-new-tokens", "6", "--method", "ar")
     assert r.returncode == 0, r.stderr
     assert "tau=1.00 (tokens per target pass; 1 = no speed-up)" in r.stderr
-    assert "budget" not in r.stderr.splitlines()[0]  # AR has no tree budget
+    assert "[k26jax] method=ar, 1 prompt(s)" in r.stderr  # AR has no tree budget
+    assert "kernels: reference (jnp)" in r.stderr  # the library logs its backend and kernel path
+
+
+def test_profile_writes_a_trace_and_compiles_persist(tmp_path):
+    cache = tmp_path / "cache"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", K26JAX_CACHE_DIR=str(cache))
+    args = ["generate", "--prompt", "hi", "--max-new-tokens", "4", "--profile", str(tmp_path / "trace")]
+    r = subprocess.run([sys.executable, "-m", "k26jax", *args], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert list((tmp_path / "trace").rglob("*.xplane.pb")), "no profiler trace written"
+    assert any(p.name.startswith("jit_step") for p in cache.iterdir()), "the step was not cached on disk"
+
+
+def test_method_needing_a_drafter_names_the_flag(tmp_path):
+    target_only = tmp_path / "ckpt"
+    shutil.copytree(DEFAULT_CKPT, target_only, ignore=shutil.ignore_patterns("drafter"))
+    r = run_cli("generate", "--ckpt", str(target_only), "--prompt", "hi")
+    assert r.returncode == 2 and "pass --drafter DIR, or use --method ar" in r.stderr, r.stderr
+
+
+def test_out_of_device_memory_names_what_to_lower(monkeypatch, capsys):
+    import jax
+
+    from k26jax import cli, generation
+
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 123 bytes")
+
+    monkeypatch.setattr(generation, "generate", exhausted)
+    assert cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "9", "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert "error: out of device memory decoding a batch of 1 prompt(s)" in err and "lower --max-new-tokens" in err
 
 
 @pytest.fixture(scope="module")
