@@ -9,18 +9,10 @@ FLOPs, drafter, per-layer latency floors, tree build; collectives explicit), fit
 at depth N or the 61-layer n-GPU step. `choose_budget` (jnp) / `choose_budget_host` (numpy) maximise
 sum_c E[tau_c](B) / t_step(B); `choose_budget_per_sequence` for a cost additive over sequences.
 
-Where the choice runs (decide on the GPU): (a) in the step, lax.switch over the candidates' verify widths: on
-GPU an XLA conditional reads its branch index on the host (a sync in the step) and every branch is compiled;
-(b) one step late on the host: the step returns `candidate_taus(...).tau` [C, nB], the host (which reads the
-emitted tokens each step anyway) picks the next budget and runs that budget's executable (chain and every
-budget share DecodeState shapes); no sync added, the estimate one step stale; (c) per sequence: tree_build's
-per-sequence budgets inside one width, which saves time only once padded nodes are skipped (ragged MoE rows and
-attention). Recommended: (b), per batch. Measure: the step with `candidate_taus` at B_max = 128 against the
-fixed step (top-K at K = 128 + 128 pops must stay <= 2% of a step, else cap K with max_topk); the sync of (a);
-the lag-1 loss of (b) against a same-step choice on the mini pair; the cost grid (chain, B = 8..128 x C = 1, 4,
-8, 16 x context 1K, 8K, 32K, with touched experts counted) to refit and hold out `StepCost`.
-Integration needs: StepConfig.budget "auto" + candidates (+ calibration, static); DecodeState.tau_pred [C, nB],
-survival [C, L] of the verified tree, budget_index per step; stats: per-step budget, predicted and realised tau.
+Where the choice can run: in the step (lax.switch over the candidates' verify widths; on a GPU an XLA conditional
+reads its branch index on the host, a sync), one step late on the host (the step returns `candidate_taus(...).tau`
+[C, nB] and the host runs the chosen budget's executable: no sync, the estimate one step stale), or per sequence
+through tree_build's per-sequence budgets (pays only once padded nodes are skipped). Not yet wired into the engine.
 """
 
 from __future__ import annotations
@@ -260,6 +252,10 @@ class Machine:
     expert_mode: str = "ep"
     collective_us: float = 10.0
     busbw_gbps: float = 360.0
+
+    def __post_init__(self):
+        if self.expert_mode not in ("ep", "tp"):  # one host: the cost of "ep_global" is in docs/MULTIHOST.md
+            raise ValueError(f"Machine.expert_mode={self.expert_mode!r}: the step cost model covers 'ep' and 'tp'")
 
 
 @functools.lru_cache(maxsize=4096)

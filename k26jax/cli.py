@@ -20,6 +20,15 @@ from k26jax.config import ConfigError
 USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError)
 
 
+def _raised_by_k26jax(error: BaseException) -> bool:
+    """A user's mistake is refused by k26jax's own checks; a ValueError raised inside jax or another library is a
+    bug, and keeps its traceback."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is None or "site-packages" not in tb.tb_frame.f_code.co_filename
+
+
 def _setup(args):
     """Logging to stderr and jax's persistent compilation cache, before anything compiles."""
     import jax
@@ -165,7 +174,7 @@ def main(argv=None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     except USER_ERRORS as e:
-        if args.debug:
+        if args.debug or not _raised_by_k26jax(e):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -45,16 +45,16 @@ INIT_TIMEOUT_S, HEARTBEAT_TIMEOUT_S = 300, 60
 # Launchers jax.distributed detects by itself (jax/_src/clusters): SLURM, Open MPI, and an explicit coordinator.
 LAUNCHER_ENV = ("SLURM_STEP_NODELIST", "OMPI_COMM_WORLD_SIZE", "OMPI_MCA_orte_hnp_uri", "JAX_COORDINATOR_ADDRESS")
 EXIT_PEER_LOST = 75  # `guard`'s exit status (EX_TEMPFAIL): a peer process died; restart the whole job
-# Words of a runtime error that a collective or the coordination service gives when a peer is gone.
+# Words of a runtime error that a collective's transport or the coordination service gives when a peer is gone
+# (specific ones: any other NCCL or runtime error is a real failure and keeps its traceback).
 PEER_LOST_MARKERS = (
     "Gloo",
-    "NCCL",
+    "ncclRemoteError",
+    "remote process exited",
     "Connection closed by peer",
     "Connection reset",
     "heartbeat",
     "coordination service",
-    "UNAVAILABLE",
-    "DEADLINE_EXCEEDED",
 )
 log = logging.getLogger(__name__)
 

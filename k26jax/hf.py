@@ -520,7 +520,7 @@ def _packed_experts(params: dict) -> dict:
     mlp = params.get("moe", {}).get("mlp", {})
     if "w13" not in mlp:
         return params
-    from k26jax.train import quant
+    from k26jax import quant
 
     packed = {k: v for k, v in mlp.items() if k not in ("w13", "w2")} | quant.quantize_experts(mlp["w13"], mlp["w2"])
     return params | {"moe": params["moe"] | {"mlp": packed}}
@@ -628,7 +628,7 @@ def write_target(
     """Writes a HF checkpoint of the target from our tree into the directory `out_dir`: config.json (the kimi_k25
     wrapper with `language_model.` names, or with wrapper=False the plain text config), generation_config.json when
     given, the shards and their index. params: the model's tree (packed experts), or the training layout with float
-    experts `moe.mlp.w13` / `w2`, quantized here (k26jax.train.quant). Float tensors are written in `dtype`;
+    experts `moe.mlp.w13` / `w2`, quantized here (k26jax.quant). Float tensors are written in `dtype`;
     extra_tensors (full names, e.g. vision tensors) follow the text model's. Returns the checkpoint's config."""
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)

@@ -10,8 +10,9 @@ every head to see the whole latent).
 Several hosts (jax.distributed, see k26jax/distributed.py and docs/MULTIHOST.md): `make_mesh` gives each process
 one row of "data", so "model" never leaves a host. With expert_mode "ep_global" the routed experts (95% of the
 bytes) are split over every device of every host, while attention, the dense layers, embedding and lm_head are
-split over "model" within a host and replicated across hosts; the cache's batch is split across hosts. Only the
-MoE's expert combine crosses hosts.
+split over "model" within a host and replicated across hosts; the cache's batch is split across hosts. The intent is
+that only the MoE's expert combine crosses hosts; the sharded Pallas kernels still take the batch replicated (see
+docs/MULTIHOST.md, "What comes next").
 """
 
 from __future__ import annotations

@@ -705,6 +705,9 @@ class Runner:
             return carry[0]
 
         reps = harness.time_calls(run, calls=1, per_call=steps, repeats=self.args.repeats, warmup=False)
+        if self.args.profile:  # one more call under the profiler, after the timed ones (named scopes per phase)
+            with jax.profiler.trace(os.path.join(self.args.profile, f"{v.name}_C{v.C}_ctx{v.context}")):
+                jax.block_until_ready(run(None))
         state = carry[0]
         accept = np.asarray(state.accept_lens)[:steps]
         return {"reps": reps, "steps": steps, "first_call_s": first, "accept": accept}, state
@@ -1111,6 +1114,9 @@ def parse_args(argv=None):
     ap.add_argument("--half-reserve-s", type=float, default=45.0, help="time kept for the N/2 rows")
     ap.add_argument("--compile-workers", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--profile", default=None, metavar="DIR", help="also trace one call of each step under jax.profiler"
+    )
     ap.add_argument("--pallas-interpret", action="store_true", help="Pallas kernels in interpret mode (CPU)")
     ap.add_argument("--cpu-mesh8", action="store_true", help="tiny shapes on 8 emulated CPU devices")
     ap.add_argument("--cpu-new-tokens", type=int, default=24)

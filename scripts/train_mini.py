@@ -123,6 +123,20 @@ def die(msg: str) -> None:
     sys.exit(2)
 
 
+CUT_SHORT = 3  # exit code: a stage stopped by --max-minutes; its state is kept for --resume
+
+
+def stop_if_cut_short(stage: str, meta: dict) -> None:
+    """A stage that --max-minutes stopped is not done: keep its state, mark nothing, and stop the run."""
+    if meta.get("time_budget_hit"):
+        print(
+            f"[{stage}] stopped by --max-minutes at step {meta['step']}: its state is kept; rerun with --resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(CUT_SHORT)
+
+
 # ---- the run directory -----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Run:
@@ -205,8 +219,12 @@ def open_run(args) -> Run:
     settings = override(SMOKE if args.smoke else FULL, args.set)
     record = {"seed": args.seed, "smoke": args.smoke, "settings": dataclasses.asdict(settings)}
     run_json = os.path.join(args.out, "run.json")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        die(f"--out {args.out} is a file, not a directory")
     nonempty = os.path.isdir(args.out) and bool(os.listdir(args.out))
     if nonempty and args.overwrite:
+        if not os.path.isfile(run_json):
+            die(f"--overwrite: {args.out} holds no run.json (not a train_mini run directory); not deleting it")
         shutil.rmtree(args.out)
     elif nonempty and not args.resume:
         die(f"--out {args.out} exists and is not empty: pass --resume to continue that run, or --overwrite")
@@ -334,6 +352,7 @@ def stage_target(run: Run, args) -> None:
         on_save=on_save,
         max_seconds=run.max_seconds,
     )
+    stop_if_cut_short("target", meta)
     loop.save_tree(run.path("target", "params"), tt.cast(state[0], jnp.bfloat16), meta)
     summary = {"steps": meta["step"], "heldout_loss": meta["heldout_loss"], "time_budget_hit": meta["time_budget_hit"]}
     run.mark_done("target", summary, t0)
@@ -373,7 +392,7 @@ def quantization_aware_steps(run: Run, params):
         trainable=tt.trainable_mask(params),
     )
     train = np.load(run.path("tokens", "train.npy"))
-    state, _ = loop.run(
+    state, meta = loop.run(
         name="qat",
         state=(params, opt.init(params)),
         step_fn=tt.make_train_step(run.cfg, opt, bias_rate=s.bias_rate, fake_quant=True),
@@ -385,6 +404,7 @@ def quantization_aware_steps(run: Run, params):
         log_path=run.path("quant", "log.jsonl"),
         max_seconds=run.max_seconds,
     )
+    stop_if_cut_short("quantize", meta)
     return state[0]
 
 
@@ -545,6 +565,7 @@ def stage_drafter(run: Run, args) -> None:
         stop=lambda m: m.get("evals_since_best", 0) >= s.patience,
         max_seconds=run.max_seconds,
     )
+    stop_if_cut_short("drafter", meta)
     if os.path.isdir(run.path("drafter", "best")):  # absent when a kill came after this rename
         shutil.rmtree(run.path("drafter", "params"), ignore_errors=True)
         os.rename(run.path("drafter", "best"), run.path("drafter", "params"))

@@ -31,6 +31,8 @@ def cpu_record(bench, tmp_path_factory):
     rc = bench.main(
         [
             "--cpu-mesh8",
+            "--profile",
+            str(out.parent / "trace"),
             "--out",
             str(out),
             "--methods",
@@ -52,12 +54,13 @@ def cpu_record(bench, tmp_path_factory):
         ]
     )
     with open(out) as f:
-        return rc, json.load(f)
+        return rc, json.load(f), out.parent / "trace"
 
 
 def test_cpu_mesh8_ddtree_equals_ar_and_measures(cpu_record):
-    rc, record = cpu_record
+    rc, record, trace = cpu_record
     assert rc == 0
+    assert list(trace.rglob("*.xplane.pb")), "--profile wrote no trace"
     checks = [r for r in record["rows"] if r["kind"] == "correctness"]
     assert [r["drafter"] for r in checks] == ["oracle"]
     assert all(r["equal_to_ar"] and r["devices"] == 8 for r in checks)

@@ -106,3 +106,16 @@ def test_streamed_text_equals_full_decode_of_arbitrary_ids(tok):
         chunks = [stream.feed(ids[i : i + 3]) for i in range(0, len(ids), 3)]
         assert "".join(chunks) + stream.flush() == tok.decode(ids)
         assert all("\ufffd" not in c or "\ufffd" in tok.decode(ids) for c in chunks)
+
+
+def test_a_value_error_from_inside_a_library_keeps_its_traceback(monkeypatch):
+    import jax.numpy as jnp
+
+    from k26jax import cli, generation
+
+    def buggy(*args, **kwargs):
+        jnp.concatenate([])  # a bug: jax raises the ValueError
+
+    monkeypatch.setattr(generation, "generate", buggy)
+    with pytest.raises(ValueError, match="at least one array"):
+        cli.main(["generate", "--prompt", "hi", "--no-compile-cache"])

@@ -464,7 +464,7 @@ def test_write_target_reproduces_the_tiny_checkpoint(tmp_path, hf_tree):
 def test_write_target_plain_layout_and_float_experts(tmp_path, hf_tree):
     """wrapper=False writes a plain kimi_k2 checkpoint (no prefix); float experts (the training layout) are
     quantized on the way and read back as the packed leaves quantize_experts makes."""
-    quant = pytest.importorskip("k26jax.train.quant")
+    quant = pytest.importorskip("k26jax.quant")
     w13, w2 = quant.dequantize_experts(
         {k: hf_tree["moe"]["mlp"][k] for k in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")}
     )

@@ -13,11 +13,11 @@ import numpy as np
 import optax
 import pytest
 
-from k26jax import ops
+from k26jax import ops, quant
 from k26jax.hf import pack_int4
 from k26jax.model import drafter as drafter_lib
 from k26jax.model import target as model_target
-from k26jax.train import dflash, loop, mini, quant
+from k26jax.train import dflash, loop, mini
 from k26jax.train import target as tt
 from pallas_kernels.int4_moe_gemm import dequantize_int4
 
@@ -312,10 +312,27 @@ def test_driver_refuses_an_existing_out_dir(driver, tmp_path, capsys):
     with pytest.raises(SystemExit):  # --resume needs the run's own run.json
         driver.main(["--out", str(out), "--smoke", "--resume", "--stages", "target"])
     assert "no run.json" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # --overwrite starts over; target then needs the tokenizer stage
+    with pytest.raises(SystemExit):  # --overwrite deletes only a run directory of ours
+        driver.main(["--out", str(out), "--smoke", "--overwrite", "--stages", "target"])
+    assert "not a train_mini run directory); not deleting it" in capsys.readouterr().err
+    assert (out / "something").exists()
+    (out / "something").unlink()
+    with pytest.raises(SystemExit):  # an empty dir starts a run; target then needs the tokenizer stage
+        driver.main(["--out", str(out), "--smoke", "--stages", "target"])
+    assert "stage 'tokenizer' has not finished" in capsys.readouterr().err
+    (out / "stale").write_text("x")
+    with pytest.raises(SystemExit):  # --overwrite starts our own run over
         driver.main(["--out", str(out), "--smoke", "--overwrite", "--stages", "target"])
     assert "stage 'tokenizer' has not finished" in capsys.readouterr().err
-    assert not (out / "something").exists() and (out / "run.json").is_file()
+    assert not (out / "stale").exists() and (out / "run.json").is_file()
     with pytest.raises(SystemExit):  # a resumed run keeps its settings
         driver.main(["--out", str(out), "--smoke", "--resume", "--set", "target_steps=5", "--stages", "target"])
     assert "other settings" in capsys.readouterr().err
+
+
+def test_a_stage_cut_short_by_max_minutes_is_not_done(driver, capsys):
+    driver.stop_if_cut_short("target", {"time_budget_hit": False, "step": 800})  # a finished stage goes on
+    with pytest.raises(SystemExit) as stopped:
+        driver.stop_if_cut_short("target", {"time_budget_hit": True, "step": 312})
+    assert stopped.value.code == driver.CUT_SHORT
+    assert "stopped by --max-minutes at step 312: its state is kept; rerun with --resume" in capsys.readouterr().err

@@ -24,8 +24,8 @@ class K2Model(nnx.Module):
     `from_params`), its methods run the forward: `prefill`, `verify` and `decode` (verify of one token).
 
     The methods and the module-level functions below share one implementation: a method passes the module's pure
-    parameter tree to `forward_prefill` / `forward_tail`. Inside a jitted step, split the module at the boundary
-    (nnx.split) and merge it back inside, or call the functions with the pure tree."""
+    parameter tree to `forward_prefill` / `forward_tail`. A jitted step takes the pure tree as its argument and
+    wraps it with `from_params` inside (k26jax/engine.py)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
         self.cfg = cfg

@@ -126,6 +126,8 @@ class Scheduler:
         with self.lock:
             if self.drain_deadline is not None or self.stopping:
                 raise Draining("the server is shutting down")
+            if self.thread.ident is not None and not self.thread.is_alive():
+                raise Draining("the engine thread has stopped")
             free = sum(r is None for r in self.slots)  # slots the engine thread has yet to fill
             if len(self.waiting) >= self.max_queue + free:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
@@ -167,16 +169,19 @@ class Scheduler:
             self.state = self.dec.insert(self.params, self.dparams, self.state, *_insert_args(0, ids, 1, 1))
         self.state = self.dec.step(self.params, self.dparams, self.state)
         jax.block_until_ready(self.state)
+        self.state = None  # free the warm-up state before the fresh one is made (two caches may not fit)
         self.state = self._empty()
 
     # ---- the engine thread -------------------------------------------------------------------------------------
     def _run(self):
-        while not self.stopping:
-            try:
-                self._turn()
-            except Exception as error:  # noqa: BLE001 -- a fault fails the batch, never the thread
-                self._fault(error, list(self.slots))
-        self._fail_all(Draining("the server stopped"))
+        try:
+            while not self.stopping:
+                try:
+                    self._turn()
+                except Exception as error:  # noqa: BLE001 -- a fault fails the batch, never the thread
+                    self._fault(error, list(self.slots))
+        finally:  # also when recovering from a fault fails: no request is left waiting forever
+            self._fail_all(Draining("the server stopped"))
 
     def _turn(self):
         self._reap()
@@ -241,13 +246,13 @@ class Scheduler:
             self._insert(i, req)
 
     def _insert(self, slot: int, req: Request):
+        self.slots[slot] = req  # owned by the slot before anything can fail, so a fault fails it too
         n = len(req.ids)
         T = bucket_for(n, self.max_len)
         ids = np.zeros((1, T), np.int32)
         ids[0, :n] = req.ids
         args = _insert_args(slot, ids, n, req.max_new, req.temperature, req.top_p, req.seed)
         started = time.perf_counter()
-        self.slots[slot] = req
         self.state = self.dec.insert(self.params, self.dparams, self.state, *args)
         host = self._fetch()
         self.metrics.inserted(T, time.perf_counter() - started, n)
@@ -295,6 +300,7 @@ class Scheduler:
         self.slots = [None] * self.max_batch
         self.fetched = None
         self.metrics.slots(0)
+        self.state = None  # free the old state (not donated if the fault came first) before making a new one
         self.state = self._empty()
 
     def _fail(self, r: Request, error: Exception, outcome: str):

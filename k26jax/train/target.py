@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from k26jax import quant
 from k26jax.config import ModelConfig
 from k26jax.model import layers as L
 from k26jax.model import params as param_table
 from k26jax.model import target as model_target
-from k26jax.train import quant
 
 F32 = jnp.float32
 FLOAT_EXPERTS = ("w13", "w2")
