@@ -119,3 +119,20 @@ def test_a_value_error_from_inside_a_library_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(generation, "generate", buggy)
     with pytest.raises(ValueError, match="at least one array"):
         cli.main(["generate", "--prompt", "hi", "--no-compile-cache"])
+
+
+def test_one_string_is_one_prompt():
+    import k26jax
+
+    model = k26jax.load(DEFAULT_CKPT, dtype="float32")
+    one = k26jax.generate(model, "Hello", max_new_tokens=3, method="ar")
+    assert (
+        len(one.tokens) == 1 and one.tokens == k26jax.generate(model, ["Hello"], max_new_tokens=3, method="ar").tokens
+    )
+
+
+def test_one_new_token_says_no_decode_step_ran():
+    r = run_cli("generate", "--prompt", "hi", "--max-new-tokens", "1", "--method", "ar")
+    assert r.returncode == 0, r.stderr
+    assert "1 tokens in 0 steps, no decode step ran (the prefill gives the first token)" in r.stderr
+    assert "tau=0.00" not in r.stderr
