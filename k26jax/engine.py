@@ -205,9 +205,9 @@ def prefill(
     """
     C, T = ids_CT.shape
     layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None else ()
-    logits, rows, feats = target.K2Model.from_params(cfg, params).prefill(ids_CT, lengths_C, impls, layer_ids)
+    model = target.K2Model.from_params(cfg, params)
+    last, rows, feats = model.prefill(ids_CT, lengths_C, impls, layer_ids, last_only=True)  # last [C, 1, V]
     cache = kc.write_prefill(kc.init_cache(cfg, C, max_len, rows.dtype), rows, lengths_C)
-    last = jnp.take_along_axis(logits, (lengths_C - 1)[:, None, None], axis=1)  # [C, 1, V]
     temperature = _per_slot(C, temperature, jnp.float32)
     top_p = _per_slot(C, top_p, jnp.float32)
     keys, draw = _split_keys(slot_keys(key, C))

@@ -41,9 +41,9 @@ class K2Model(nnx.Module):
     def params(self) -> dict:
         return param_table.pure_params(self)
 
-    def prefill(self, ids_BT, lengths_B, impls: ops.Impls, hidden_layer_ids=()):
+    def prefill(self, ids_BT, lengths_B, impls: ops.Impls, hidden_layer_ids=(), last_only: bool = False):
         """Causal forward over right-padded prompts: see `forward_prefill`."""
-        return forward_prefill(self.params(), self.cfg, ids_BT, lengths_B, impls, hidden_layer_ids)
+        return forward_prefill(self.params(), self.cfg, ids_BT, lengths_B, impls, hidden_layer_ids, last_only)
 
     def verify(
         self, ids_BT, positions_BT, cache_rows, prefix_len_B, visibility_BTT, impls: ops.Impls, hidden_layer_ids=()
@@ -159,11 +159,14 @@ def lm_logits(params, cfg: ModelConfig, h_BTD):
     return L.mm("btd,dv->btv", h, params["lm_head"], out_dtype=jnp.float32)
 
 
-def forward_prefill(params, cfg: ModelConfig, ids_BT, lengths_B, impls: ops.Impls, hidden_layer_ids=()):
+def forward_prefill(
+    params, cfg: ModelConfig, ids_BT, lengths_B, impls: ops.Impls, hidden_layer_ids=(), last_only: bool = False
+):
     """Causal forward over right-padded prompts (rows >= length are padding), no cache read.
 
-    Returns (logits f32 [B,T,V], latent rows [layers,B,T,R+Dr] to store at cache positions 0..T-1,
-    hidden states [n_ids,B,T,D]).
+    Returns (logits f32 [B,T,V], or [B,1,V] at each prompt's last row when last_only (what decoding needs: the
+    head's [B,T,V] would be gigabytes at K2.6's vocabulary), latent rows [layers,B,T,R+Dr] to store at cache
+    positions 0..T-1, hidden states [n_ids,B,T,D]).
     """
     T = ids_BT.shape[1]
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), ids_BT.shape)
@@ -174,6 +177,8 @@ def forward_prefill(params, cfg: ModelConfig, ids_BT, lengths_B, impls: ops.Impl
         return L.mla_naive(attn, x, positions, valid, cfg, rope)
 
     h, rows, feats = run_layers(params, cfg, embed_tokens(params, ids_BT), attend, impls, hidden_layer_ids)
+    if last_only:
+        h = jnp.take_along_axis(h, (lengths_B - 1)[:, None, None], axis=1)
     return lm_logits(params, cfg, h), rows, feats
 
 
