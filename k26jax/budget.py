@@ -287,8 +287,9 @@ def experts_touched(tokens: int, num_experts: int, top_k: int, shards: int = 1, 
 
 
 @functools.lru_cache(maxsize=64)
-def _weight_parts(cfg: ModelConfig, dcfg: DrafterConfig, n: int, expert_mode: str) -> dict:
-    """Per-GPU {part: (bytes, elements)} of bf16 weights split over n GPUs as k26jax.sharding says."""
+def weight_parts(cfg: ModelConfig, dcfg: DrafterConfig, n: int, expert_mode: str, dtype=jnp.bfloat16) -> dict:
+    """Per-GPU {part: (bytes, elements)} of the weights split over n GPUs as k26jax.sharding says; routed experts
+    as a whole (a step's touched share is applied by its caller)."""
 
     def per_gpu(tree, specs):
         out = {}
@@ -300,7 +301,7 @@ def _weight_parts(cfg: ModelConfig, dcfg: DrafterConfig, n: int, expert_mode: st
         return out
 
     parts = {}
-    leaves = per_gpu(target.abstract_params(cfg, jnp.bfloat16), sharding.param_partition_specs(cfg, expert_mode))
+    leaves = per_gpu(target.abstract_params(cfg, dtype), sharding.param_partition_specs(cfg, expert_mode))
     for path, (b, e) in leaves.items():
         if "w13" in path or "w2" in path:
             part = "routed"
@@ -316,7 +317,7 @@ def _weight_parts(cfg: ModelConfig, dcfg: DrafterConfig, n: int, expert_mode: st
             part = "attention"
         pb, pe = parts.get(part, (0, 0))
         parts[part] = (pb + b, pe + e)
-    dleaves = per_gpu(drafter_lib.abstract_params(dcfg, jnp.bfloat16), drafter_lib.drafter_partition_specs(dcfg, n))
+    dleaves = per_gpu(drafter_lib.abstract_params(dcfg, dtype), drafter_lib.drafter_partition_specs(dcfg, n))
     parts["drafter_fc"] = dleaves["['fc']"]
     parts["drafter"] = tuple(sum(v[i] for k, v in dleaves.items() if k != "['fc']") for i in (0, 1))
     return parts
@@ -336,7 +337,7 @@ def step_parts(cfg, dcfg, method, budget, C, context, machine=Machine(), skew=0.
     n, item = machine.gpus, 2
     L = 0 if method == "ar" else dcfg.block_size - 1
     tokens = C * step_tokens(method, budget, dcfg.block_size)
-    w = _weight_parts(cfg, dcfg, n, machine.expert_mode)
+    w = weight_parts(cfg, dcfg, n, machine.expert_mode)
     out = {p: (w[p][0], 2 * w[p][1] * tokens) for p in ("attention", "dense_mlp", "shared", "router") if p in w}
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     if E:

@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from k26jax import api, engine, generate, ops, sharding  # noqa: E402
 from k26jax import cache as kc  # noqa: E402
+from k26jax.budget import weight_parts  # noqa: E402
 from k26jax.config import DrafterConfig, ModelConfig, build_target_layer_ids, preset  # noqa: E402
 from k26jax.model import drafter as drafter_lib  # noqa: E402
 from k26jax.model import target  # noqa: E402
@@ -295,46 +296,6 @@ class ControlledAccept:
 
 
 # ---- bytes and FLOPs a step must move ----------------------------------------------------------------------
-def _per_gpu(tree_abs, specs, n: int):
-    """{path: (bytes per GPU, elements per GPU)} when leaves are split over n devices as the specs say."""
-    out = {}
-    flat = jax.tree_util.tree_flatten_with_path(tree_abs)[0]
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    for (path, leaf), spec in zip(flat, spec_leaves):
-        div = 1
-        for dim, axis in zip(leaf.shape, tuple(spec)):
-            div *= n if axis == sharding.MODEL and dim % n == 0 else 1
-        elems = int(np.prod(leaf.shape)) // div
-        out[jax.tree_util.keystr(path)] = (elems * jnp.dtype(leaf.dtype).itemsize, elems)
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _weight_parts(cfg: ModelConfig, dcfg: DrafterConfig, n: int, expert_mode: str, dtype=jnp.bfloat16):
-    """Per-GPU {part: (bytes, elements)} of the weights; routed experts as a whole (touched share applied later)."""
-    parts = {}
-    leaves = _per_gpu(target.abstract_params(cfg, dtype), sharding.param_partition_specs(cfg, expert_mode), n)
-    for path, (b, e) in leaves.items():
-        if "w13" in path or "w2" in path:
-            part = "routed"
-        elif "router" in path:
-            part = "router"
-        elif "shared" in path:
-            part = "shared"
-        elif "['mlp']" in path:
-            part = "dense_mlp"
-        elif path in ("['embed']", "['lm_head']"):
-            part = path[2:-2]
-        else:
-            part = "attention"
-        pb, pe = parts.get(part, (0, 0))
-        parts[part] = (pb + b, pe + e)
-    dleaves = _per_gpu(drafter_lib.abstract_params(dcfg, dtype), drafter_lib.drafter_partition_specs(dcfg, n), n)
-    parts["drafter_fc"] = dleaves["['fc']"]
-    parts["drafter"] = tuple(sum(v[i] for k, v in dleaves.items() if k != "['fc']") for i in (0, 1))
-    return parts
-
-
 @functools.lru_cache(maxsize=None)
 def experts_touched(tokens: int, num_experts: int, top_k: int, n: int, trials: int = 64):
     """(expected distinct experts touched, expected max over n expert-parallel shards) under uniform routing."""
@@ -365,7 +326,7 @@ def traffic(
     L = 0 if method == "ar" else dcfg.block_size - 1
     T = 1 + {"ar": 0, "chain": L, "ddtree": budget}[method]
     tokens = C * T
-    w = _weight_parts(cfg, dcfg, n, expert_mode, dtype)
+    w = weight_parts(cfg, dcfg, n, expert_mode, dtype)
     item = jnp.dtype(dtype).itemsize
     out = {}
     for part in ("attention", "dense_mlp", "shared", "router"):
@@ -771,7 +732,7 @@ def fit_layers(args, record) -> int:
         return args.layers
     for layers in range(args.layers, 1, -1):
         cfg = target_config(args.preset, layers)
-        need = sum(b for b, _ in _weight_parts(cfg, drafter_config(cfg, False), 1, args.expert_mode).values())
+        need = sum(b for b, _ in weight_parts(cfg, drafter_config(cfg, False), 1, args.expert_mode).values())
         if need + args.headroom_gb * 1e9 <= limit:
             record["memory"] = {"bytes_limit": limit, "param_bytes": need, "layers": layers}
             return layers

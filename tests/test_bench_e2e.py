@@ -85,7 +85,7 @@ def test_floor_counts_touched_experts_and_sharding(bench):
     dcfg = bench.drafter_config(cfg, tiny=False)
     ar = bench.traffic(cfg, dcfg, "ar", 1, 1, 1024)
     tree = bench.traffic(cfg, dcfg, "ddtree", 64, 10, 8192)
-    per_expert = bench._weight_parts(cfg, dcfg, 1, "ep")["routed"][0] / cfg.n_routed_experts
+    per_expert = bench.weight_parts(cfg, dcfg, 1, "ep")["routed"][0] / cfg.n_routed_experts
     assert ar["routed"][0] == pytest.approx(8 * per_expert, rel=1e-6)  # one token: its 8 experts
     assert tree["routed"][0] == pytest.approx(cfg.n_routed_experts * per_expert, rel=1e-3)
     assert "drafter" not in ar and tree["draft_lm_head"][0] == tree["lm_head"][0]
