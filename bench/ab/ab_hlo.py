@@ -67,19 +67,24 @@ for method, budget in (("ar", 1), ("ddtree", 32)):
         else:
             ck = cv = sds((6, C, 8, S, 128), jnp.bfloat16)
         i32 = lambda *s: sds(s, jnp.int32)
-        state = engine.DecodeState(
-            cache=kc.KVCache(sds((8, C, S, 576), jnp.bfloat16), i32(C)),
-            ctx_k=ck,
-            ctx_v=cv,
-            ctx_len=i32(C),
-            root=i32(C),
-            out=i32(C, 2048 + sc.depth + 1),
-            num_out=i32(C),
-            done=sds((C,), bool),
-            key=jax.eval_shape(lambda: jax.random.key(0)),
-            step=i32(),
-            accept_lens=i32(engine.max_steps(sc), C),
-        )
+        if hasattr(engine, "empty_state"):  # per-slot sampling values and limits (the server's engine)
+            state = jax.eval_shape(
+                lambda: engine.empty_state(cfg=cfg, dcfg=d, sc=sc, batch=C, max_len=S, dtype=jnp.bfloat16)
+            )
+        else:
+            state = engine.DecodeState(
+                cache=kc.KVCache(sds((8, C, S, 576), jnp.bfloat16), i32(C)),
+                ctx_k=ck,
+                ctx_v=cv,
+                ctx_len=i32(C),
+                root=i32(C),
+                out=i32(C, 2048 + sc.depth + 1),
+                num_out=i32(C),
+                done=sds((C,), bool),
+                key=jax.eval_shape(lambda: jax.random.key(0)),
+                step=i32(),
+                accept_lens=i32(engine.max_steps(sc), C),
+            )
         t0 = time.perf_counter()
         with use_abstract_mesh(H200):
             if args.version == "base":
