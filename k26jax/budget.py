@@ -218,19 +218,35 @@ def calibrate(predicted, observed, kind: str = "power", bins: int = 64) -> Calib
 
 
 # ---- the step cost model ------------------------------------------------------------------------------------------
-def kimi_drafter_config(cfg: ModelConfig) -> DrafterConfig:
-    """The DFlash drafter at Kimi dims (6 layers, 64 / 8 heads, block 8; GGUF metadata), target layers clamped
-    to cfg's depth (as scripts/bench_e2e.py builds it for its records)."""
-    ids = [min(i, cfg.num_hidden_layers - 1) for i in build_target_layer_ids(61, 6)]
+def kimi_drafter_config(cfg: ModelConfig, tiny: bool = False) -> DrafterConfig:
+    """The DFlash drafter at Kimi dims (6 layers, 64 / 8 heads, block 8; GGUF metadata), or with tiny=True a 2-layer
+    one at cfg's width that shards 8 ways; target layers clamped to cfg's depth (the benchmarks' drafter)."""
+    dims = dict(
+        hidden_size=7168,
+        num_hidden_layers=6,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=18432,
+        num_target_layers=61,
+    )
+    if tiny:
+        dims.update(
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=32,
+            intermediate_size=512,
+            num_target_layers=4,
+        )
+    ids = [
+        min(i, cfg.num_hidden_layers - 1)
+        for i in build_target_layer_ids(dims["num_target_layers"], dims["num_hidden_layers"])
+    ]
     return DrafterConfig.from_dict(
         dict(
-            hidden_size=7168,
-            num_hidden_layers=6,
-            num_attention_heads=64,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=18432,
-            num_target_layers=61,
+            dims,
             rope_theta=50000.0,
             rms_norm_eps=1e-6,
             block_size=8,

@@ -288,21 +288,12 @@ TINY_TEXT_CONFIG: dict[str, Any] = dict(
 # k26-mini: the K2.6 architecture at CPU size (the embedded trained pair, k26jax/train/mini.py); the INT4
 # checkpoint plus its drafter stays under 25 MB. Its 4096 ids end in K2's 256 special tokens.
 MINI_TEXT_CONFIG: dict[str, Any] = dict(
-    K26_TEXT_CONFIG,
+    TINY_TEXT_CONFIG,
     vocab_size=4096,
-    hidden_size=256,
     intermediate_size=1024,
-    moe_intermediate_size=256,
     num_hidden_layers=6,
-    num_attention_heads=8,
-    num_key_value_heads=8,
     q_lora_rank=128,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    n_routed_experts=16,
-    num_experts_per_tok=4,
+    max_position_embeddings=K26_TEXT_CONFIG["max_position_embeddings"],
     bos_token_id=3840,
     eos_token_id=3841,
     pad_token_id=4095,

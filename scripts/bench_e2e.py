@@ -59,8 +59,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from k26jax import api, engine, generate, ops, sharding  # noqa: E402
 from k26jax import cache as kc  # noqa: E402
-from k26jax.budget import weight_parts  # noqa: E402
-from k26jax.config import DrafterConfig, ModelConfig, build_target_layer_ids, preset  # noqa: E402
+from k26jax.budget import kimi_drafter_config, weight_parts  # noqa: E402
+from k26jax.config import DrafterConfig, ModelConfig, preset  # noqa: E402
 from k26jax.model import drafter as drafter_lib  # noqa: E402
 from k26jax.model import target  # noqa: E402
 
@@ -76,44 +76,6 @@ def target_config(name: str, layers: int) -> ModelConfig:
     if name == "tiny":
         return preset("tiny").replace(num_hidden_layers=layers)
     return preset(f"k26-depth{layers}")
-
-
-def drafter_config(cfg: ModelConfig, tiny: bool) -> DrafterConfig:
-    """The DFlash drafter at Kimi dims (or a tiny one that shards 8 ways); target layers clamped to cfg's."""
-    full = dict(
-        hidden_size=7168,
-        num_hidden_layers=6,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=18432,
-        num_target_layers=K26_LAYERS,
-        rope_theta=50000.0,
-    )
-    if tiny:
-        full.update(
-            hidden_size=cfg.hidden_size,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=8,
-            head_dim=32,
-            intermediate_size=512,
-            num_target_layers=4,
-        )
-    ids = [
-        min(i, cfg.num_hidden_layers - 1)
-        for i in build_target_layer_ids(full["num_target_layers"], full["num_hidden_layers"])
-    ]
-    return DrafterConfig.from_dict(
-        dict(
-            full,
-            rms_norm_eps=1e-6,
-            block_size=8,
-            vocab_size=cfg.vocab_size,
-            max_position_embeddings=cfg.max_position_embeddings,
-            dflash_config=dict(target_layer_ids=ids, mask_token_id=cfg.vocab_size - 2),
-        )
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +103,7 @@ class Setup:
         self.tiny = args.preset == "tiny"
         self.dtype = jnp.float32 if args.cpu_mesh8 else jnp.bfloat16
         self.cfg = target_config(args.preset, layers)
-        self.dcfg = drafter_config(self.cfg, self.tiny)
+        self.dcfg = kimi_drafter_config(self.cfg, self.tiny)
         self.impls = ops.Impls.auto(mesh if mesh.size > 1 else None, args.expert_mode)
         if args.pallas_interpret:
             self.impls = ops.Impls(
@@ -732,7 +694,7 @@ def fit_layers(args, record) -> int:
         return args.layers
     for layers in range(args.layers, 1, -1):
         cfg = target_config(args.preset, layers)
-        need = sum(b for b, _ in weight_parts(cfg, drafter_config(cfg, False), 1, args.expert_mode).values())
+        need = sum(b for b, _ in weight_parts(cfg, kimi_drafter_config(cfg, False), 1, args.expert_mode).values())
         if need + args.headroom_gb * 1e9 <= limit:
             record["memory"] = {"bytes_limit": limit, "param_bytes": need, "layers": layers}
             return layers
@@ -835,9 +797,9 @@ def project(record) -> list[dict]:
         return []
     N = max(r["layers"] for r in steps)
     cfg61 = preset("k26")
-    dcfg = drafter_config(cfg61, tiny=False)
+    dcfg = kimi_drafter_config(cfg61, tiny=False)
     cfgN = preset(f"k26-depth{N}")
-    dcfgN = drafter_config(cfgN, tiny=False)
+    dcfgN = kimi_drafter_config(cfgN, tiny=False)
     builds = {
         (r["C"], r["method"], r["B"]): r["build_ms"]
         for r in record["rows"]
@@ -907,7 +869,7 @@ def project(record) -> list[dict]:
 def bounds(args, ceil: dict) -> list[dict]:
     """The 61-layer 8-GPU step if every part ran at its roofline (eta = 1, no tree build): a tok/s upper bound."""
     cfg61 = preset("k26")
-    dcfg = drafter_config(cfg61, tiny=False)
+    dcfg = kimi_drafter_config(cfg61, tiny=False)
     n, rows = args.gpus, []
     for (method, budget), C, ctx in itertools.product(methods(args), args.concurrency, args.contexts):
         tau = {"ar": 1.0, "chain": args.tau_chain or args.tau, "ddtree": args.tau}[method]

@@ -89,13 +89,14 @@ def synthetic_engine(args, sargs):
     import jax.numpy as jnp
 
     from k26jax import engine, ops
+    from k26jax.budget import kimi_drafter_config
     from k26jax.model import drafter as drafter_lib
     from k26jax.model import target
     from k26jax.serve import server
 
     tiny = args.synthetic_preset == "tiny"
     cfg = bench_e2e.target_config(args.synthetic_preset, args.layers)
-    dcfg = bench_e2e.drafter_config(cfg, tiny)
+    dcfg = kimi_drafter_config(cfg, tiny)
     dtype = jnp.float32 if tiny else jnp.bfloat16
     params, dparams = jax.jit(lambda: (target.init_params(cfg, 0, dtype), drafter_lib.init_params(dcfg, 1, dtype)))()
     d = dcfg if sargs.method != "ar" else None

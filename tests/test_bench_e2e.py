@@ -82,7 +82,7 @@ def test_accept_draw_has_mean_tau_within_1_to_depth_plus_1(bench, tau):
 
 def test_floor_counts_touched_experts_and_sharding(bench):
     cfg = preset("k26-depth4")
-    dcfg = bench.drafter_config(cfg, tiny=False)
+    dcfg = bench.kimi_drafter_config(cfg, tiny=False)
     ar = bench.traffic(cfg, dcfg, "ar", 1, 1, 1024)
     tree = bench.traffic(cfg, dcfg, "ddtree", 64, 10, 8192)
     per_expert = bench.weight_parts(cfg, dcfg, 1, "ep")["routed"][0] / cfg.n_routed_experts

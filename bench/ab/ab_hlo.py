@@ -17,40 +17,21 @@ sys.path.insert(0, os.path.abspath(args.tree))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import functools  # noqa: E402
 
+import abconfig  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh  # noqa: E402
 
 from k26jax import cache as kc  # noqa: E402
 from k26jax import engine, ops  # noqa: E402
-from k26jax.config import DrafterConfig, build_target_layer_ids, preset  # noqa: E402
+from k26jax.config import preset  # noqa: E402
 from k26jax.model import drafter, target  # noqa: E402
 
 H200 = AbstractMesh(
     (1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
 )
 cfg = preset("k26-depth8")
-full = dict(
-    hidden_size=7168,
-    num_hidden_layers=6,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=18432,
-    num_target_layers=61,
-    rope_theta=50000.0,
-)
-ids = [min(i, cfg.num_hidden_layers - 1) for i in build_target_layer_ids(61, 6)]
-dcfg = DrafterConfig.from_dict(
-    dict(
-        full,
-        rms_norm_eps=1e-6,
-        block_size=8,
-        vocab_size=cfg.vocab_size,
-        max_position_embeddings=cfg.max_position_embeddings,
-        dflash_config=dict(target_layer_ids=ids, mask_token_id=cfg.vocab_size - 2),
-    )
-)
+dcfg = abconfig.kimi_drafter(cfg, tiny=False)
 params = target.abstract_params(cfg, jnp.bfloat16)
 dparams = drafter.abstract_params(dcfg, jnp.bfloat16)
 impls = ops.Impls("pallas", "pallas", "pallas", "pallas")

@@ -29,39 +29,17 @@ def main():
     args = ap.parse_args()
     sys.path.insert(0, os.path.abspath(args.tree))
     t_start = time.perf_counter()
+    import abconfig
     import jax
     import jax.numpy as jnp
 
     from k26jax import cache as kc
     from k26jax import engine, ops
-    from k26jax.config import DrafterConfig, build_target_layer_ids, preset
+    from k26jax.config import preset
     from k26jax.model import drafter, target
 
     cfg = preset("tiny") if args.tiny else preset(f"k26-depth{args.layers}")
-    full = dict(
-        hidden_size=7168,
-        num_hidden_layers=6,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=18432,
-        num_target_layers=61,
-        rope_theta=50000.0,
-    )
-    if args.tiny:
-        full.update(hidden_size=cfg.hidden_size, num_attention_heads=8, head_dim=32, intermediate_size=512)
-        full.update(num_hidden_layers=2)
-    ids = [min(i, cfg.num_hidden_layers - 1) for i in build_target_layer_ids(61, full["num_hidden_layers"])]
-    dcfg = DrafterConfig.from_dict(
-        dict(
-            full,
-            rms_norm_eps=1e-6,
-            block_size=8,
-            vocab_size=cfg.vocab_size,
-            max_position_embeddings=cfg.max_position_embeddings,
-            dflash_config=dict(target_layer_ids=ids, mask_token_id=cfg.vocab_size - 2),
-        )
-    )
+    dcfg = abconfig.kimi_drafter(cfg, tiny=args.tiny)
     params = target.init_params(cfg, 0, jnp.bfloat16)
     dparams = drafter.init_params(dcfg, 0, jnp.bfloat16)
     jax.block_until_ready((params, dparams))
