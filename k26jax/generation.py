@@ -9,7 +9,6 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from k26jax import engine
@@ -122,14 +121,14 @@ def generate(
     if loop == "while":
         state = decode(model.params, dparams, state)
     else:
-        seen = np.zeros(len(ids), np.int64)
-        while True:
+        while True:  # one small transfer a step: what the last prefill / step appended, and whether to go on
+            emitted, num_emitted, done, step = jax.device_get(
+                (state.emitted, state.num_emitted, state.done, state.step)
+            )
             if on_tokens is not None:
-                out, num_out = np.asarray(state.out), np.asarray(state.num_out)
-                for i in np.nonzero(num_out > seen)[0]:
-                    on_tokens(int(i), out[i, seen[i] : num_out[i]].tolist())
-                seen = num_out
-            if bool(jnp.all(state.done)) or int(state.step) >= engine.max_steps(sc):
+                for i in np.nonzero(num_emitted)[0]:
+                    on_tokens(int(i), emitted[i, : num_emitted[i]].tolist())
+            if done.all() or step >= engine.max_steps(sc):
                 break
             state = decode(model.params, dparams, state)
     out, num_out = np.asarray(state.out), np.asarray(state.num_out)

@@ -261,3 +261,19 @@ def test_inserted_slots_decode_as_a_batch_with_their_own_sampling_and_limits(mod
             assert got[: safe[i]] == tokens[i][:limit][: safe[i]]
         else:
             assert got != tokens[i]
+
+
+def test_streamed_tokens_equal_the_result(model, ar):
+    """on_tokens sees each step's appended tokens once, in order: together they are the result, multi-token
+    accepts and the max_new_tokens cut included."""
+    streamed = [[] for _ in PROMPTS]
+    res = generate(
+        model,
+        PROMPTS,
+        max_new_tokens=NEW - 3,
+        method="ddtree",
+        budget=8,
+        drafter=Oracle(trajectories(ar[0]), 0.25),
+        on_tokens=lambda i, ids: streamed[i].extend(ids),
+    )
+    assert streamed == res.tokens and max(max(r) for r in res.stats["accept_lens"]) > 2
