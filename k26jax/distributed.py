@@ -18,7 +18,8 @@ its local rank). With a process per GPU, make_mesh has one GPU a row: no tensor 
 
 A dead peer never hangs the others. A collective that needs it fails at once when the transport notices (gloo on
 CPU: "Connection closed by peer"; `guard` turns that into PeerLostError and exits). A process that is not in a
-collective, or whose collective cannot notice (a host that vanished from the network), is terminated by jax's
+collective, or whose collective cannot notice (a host that vanished from the network; gloo with several CPU
+devices a process, whose other ranks can wait on the failed one), is terminated by jax's
 coordination service once the peer has missed heartbeats for heartbeat_timeout_s seconds: it aborts (SIGABRT, exit
 134) with "Terminating process because the JAX distributed service detected fatal errors". Either way every
 process stops within heartbeat_timeout_s (plus the time to notice); multi-controller JAX cannot go on with fewer.
@@ -216,9 +217,10 @@ def cluster() -> Cluster:
 def is_peer_lost(error: BaseException) -> bool:
     """Whether a runtime error of a multi-process run says a peer is gone (see PEER_LOST_MARKERS)."""
     text = str(error)
+    # jax raises a collective's transport failure as JaxRuntimeError or, for some status codes, ValueError.
     return (
         jax.process_count() > 1
-        and isinstance(error, jax.errors.JaxRuntimeError)
+        and isinstance(error, (jax.errors.JaxRuntimeError, ValueError))
         and any(m in text for m in PEER_LOST_MARKERS)
     )
 
@@ -230,7 +232,7 @@ def guard(what: str = "step", *, exit: bool = True):
     instead of waiting heartbeat_timeout_s in jax's shutdown barrier for a peer that will never come."""
     try:
         yield
-    except jax.errors.JaxRuntimeError as e:
+    except (jax.errors.JaxRuntimeError, ValueError) as e:
         if not is_peer_lost(e):
             raise
         c = cluster()
