@@ -59,10 +59,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from k26jax import api, engine, generate, ops, sharding  # noqa: E402
 from k26jax import cache as kc  # noqa: E402
-from k26jax.budget import kimi_drafter_config, weight_parts  # noqa: E402
 from k26jax.config import DrafterConfig, ModelConfig, preset  # noqa: E402
 from k26jax.model import drafter as drafter_lib  # noqa: E402
 from k26jax.model import target  # noqa: E402
+from k26jax.step_cost import kimi_drafter_config, weight_parts  # noqa: E402
 
 SGLANG_DDTREE_8X_PRO6000 = {1: 138.7, 4: 322.0, 8: 466.0, 10: 517.0}  # tok/s, issue 8
 PRO6000_TBPS, H200_SPEC_TBPS = 1.8, 4.8

@@ -89,10 +89,10 @@ def synthetic_engine(args, sargs):
     import jax.numpy as jnp
 
     from k26jax import engine, ops
-    from k26jax.budget import kimi_drafter_config
     from k26jax.model import drafter as drafter_lib
     from k26jax.model import target
     from k26jax.serve import server
+    from k26jax.step_cost import kimi_drafter_config
 
     tiny = args.synthetic_preset == "tiny"
     cfg = bench_e2e.target_config(args.synthetic_preset, args.layers)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k26jax import budget, ddtree, engine, ops, synthetic
+from k26jax import budget, ddtree, engine, ops, step_cost, synthetic
 from k26jax.config import preset
 from pallas_kernels import tree_build as tb
 
@@ -210,12 +210,12 @@ def records():
 
 
 def test_step_parts_match_the_records_byte_accounting(records):
-    cfg, dcfg = budget._config(8)
+    cfg, dcfg = step_cost._config(8)
     checked = 0
     for rec in records:
         for r in rec["rows"]:
             if r.get("kind") == "step" and "bytes_by_part" in r:
-                parts = budget.step_parts(cfg, dcfg, r["method"], r["B"], r["C"], r["context"])
+                parts = step_cost.step_parts(cfg, dcfg, r["method"], r["B"], r["C"], r["context"])
                 assert set(parts) == set(r["bytes_by_part"])
                 for name, want in r["bytes_by_part"].items():
                     assert parts[name][0] == pytest.approx(want, rel=1e-9), (r["variant"], name)
@@ -225,57 +225,57 @@ def test_step_parts_match_the_records_byte_accounting(records):
 
 def test_experts_touched():
     E, k = 384, 8
-    total, worst = budget.experts_touched(33, E, k)
+    total, worst = step_cost.experts_touched(33, E, k)
     assert total == pytest.approx(E * (1 - (1 - k / E) ** 33), rel=1e-6) and worst == total
-    assert budget.experts_touched(1, E, k, skew=1.5)[0] == pytest.approx(k, rel=1e-3)  # one token: k experts
-    assert budget.experts_touched(64, E, k, skew=1.0)[0] < total * 2
-    assert budget.experts_touched(64, E, k, skew=1.0)[0] < budget.experts_touched(64, E, k)[0]
+    assert step_cost.experts_touched(1, E, k, skew=1.5)[0] == pytest.approx(k, rel=1e-3)  # one token: k experts
+    assert step_cost.experts_touched(64, E, k, skew=1.0)[0] < total * 2
+    assert step_cost.experts_touched(64, E, k, skew=1.0)[0] < step_cost.experts_touched(64, E, k)[0]
     rng = np.random.default_rng(0)  # the busiest of 8 EP shards against sampled balanced routing
     picks = np.argsort(rng.random((400, 33, E)), axis=2)[:, :, :k]
     hit = np.zeros((400, E), bool)
     np.put_along_axis(hit, picks.reshape(400, -1), True, axis=1)
     sampled = hit.reshape(400, 8, -1).sum(2).max(1).mean()
-    assert budget.experts_touched(33, E, k, shards=8)[1] == pytest.approx(sampled, rel=0.03)
+    assert step_cost.experts_touched(33, E, k, shards=8)[1] == pytest.approx(sampled, rel=0.03)
 
 
-def _synthetic_rows(truth: budget.StepCost, noise: float, rng):
+def _synthetic_rows(truth: step_cost.StepCost, noise: float, rng):
     rows = []
-    machine = budget.Machine(4.2, 810.0)
-    builds = [dict(kind="build", method="ddtree", B=32, C=c, build_ms=budget.build_ms("ddtree", 32, c, 163840))
+    machine = step_cost.Machine(4.2, 810.0)
+    builds = [dict(kind="build", method="ddtree", B=32, C=c, build_ms=step_cost.build_ms("ddtree", 32, c, 163840))
               for c in (1, 8)]  # fmt: skip
     for method, B, C, ctx in itertools.product(("ar", "chain", "ddtree"), (16, 64), (1, 8), (1024, 8192, 32768)):
         if method != "ddtree" and B != 16:
             continue
         for skip in ((), ("moe",), ("attention",)):
             row = dict(layers=8, method=method, B=B, C=C, context=ctx, skip=skip, machine=machine, builds=builds)
-            row["step_ms"] = budget.predict(truth, row) * (1 + noise * rng.standard_normal())
+            row["step_ms"] = step_cost.predict(truth, row) * (1 + noise * rng.standard_normal())
             rows.append(row)
     return rows
 
 
 def test_fit_recovers_a_known_model_and_holds_out_within_ten_percent():
-    coef = dict(budget.PRIOR, fixed=0.6, attn_layers=0.06, moe=1.4, kv=2.5, attn_flops=1.9, drafter=1.1)
-    truth = budget.StepCost(tuple(coef.items()), budget.BUILD_PRIOR, skew=0.0)
+    coef = dict(step_cost.PRIOR, fixed=0.6, attn_layers=0.06, moe=1.4, kv=2.5, attn_flops=1.9, drafter=1.1)
+    truth = step_cost.StepCost(tuple(coef.items()), step_cost.BUILD_PRIOR, skew=0.0)
     rows = _synthetic_rows(truth, 0.0, np.random.default_rng(0))
-    fitted = budget.fit(rows, ridge=1e-6, skews=(0.0,))
+    fitted = step_cost.fit(rows, ridge=1e-6, skews=(0.0,))
     for r in rows:
-        assert budget.predict(fitted, r) == pytest.approx(r["step_ms"], rel=1e-3)
+        assert step_cost.predict(fitted, r) == pytest.approx(r["step_ms"], rel=1e-3)
     noisy = _synthetic_rows(truth, 0.03, np.random.default_rng(1))
-    errors = [h["rel_err"] for h in budget.holdout(noisy, ridge=0.01, skews=(0.0,))]
+    errors = [h["rel_err"] for h in step_cost.holdout(noisy, ridge=0.01, skews=(0.0,))]
     assert len(errors) == len(noisy) and max(abs(e) for e in errors) < 0.10
 
 
 def test_fit_on_the_committed_records_and_the_projection(records):
-    rows = budget.record_rows(records)
+    rows = step_cost.record_rows(records)
     assert len(rows) == 13 and all(r["skip"] or r["method"] in ("ar", "ddtree") for r in rows)
-    cost = budget.fit(rows)
+    cost = step_cost.fit(rows)
     for r in rows:
-        assert abs(budget.predict(cost, r) / r["step_ms"] - 1) < 0.25
+        assert abs(step_cost.predict(cost, r) / r["step_ms"] - 1) < 0.25
     cfg61 = preset("k26")
-    dcfg = budget.kimi_drafter_config(cfg61)
-    one = budget.StepCost(cost.coef, cost.build)  # balanced routing for the projection
-    eight = budget.Machine(4.2, 810.0, gpus=8)
-    t1 = one.terms(cfg61, dcfg, "ddtree", 32, 8, 8192, budget.Machine(4.2, 810.0))
+    dcfg = step_cost.kimi_drafter_config(cfg61)
+    one = step_cost.StepCost(cost.coef, cost.build)  # balanced routing for the projection
+    eight = step_cost.Machine(4.2, 810.0, gpus=8)
+    t1 = one.terms(cfg61, dcfg, "ddtree", 32, 8, 8192, step_cost.Machine(4.2, 810.0))
     t8 = one.terms(cfg61, dcfg, "ddtree", 32, 8, 8192, eight)
     assert t1["collectives"] == 0 < t8["collectives"]
     assert t8["moe"] < t1["moe"] / 4 and t8["weights"] < t1["weights"] / 4

@@ -1,5 +1,5 @@
 """The Kimi-dims DFlash drafter both A/B scripts build, written out here because the base tree (8cfe6cf) has no
-k26jax.budget.kimi_drafter_config. Import after the tree under test is on sys.path."""
+k26jax.step_cost.kimi_drafter_config. Import after the tree under test is on sys.path."""
 
 
 def kimi_drafter(cfg, tiny: bool = False):
