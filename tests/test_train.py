@@ -17,7 +17,7 @@ from k26jax import ops, quant
 from k26jax.hf import pack_int4
 from k26jax.model import drafter as drafter_lib
 from k26jax.model import target as model_target
-from k26jax.train import dflash, loop, mini
+from k26jax.train import dflash, loop, mini, recipe, rundir
 from k26jax.train import target as tt
 from pallas_kernels.int4_moe_gemm import dequantize_int4
 
@@ -330,9 +330,14 @@ def test_driver_refuses_an_existing_out_dir(driver, tmp_path, capsys):
     assert "other settings" in capsys.readouterr().err
 
 
-def test_a_stage_cut_short_by_max_minutes_is_not_done(driver, capsys):
-    driver.stop_if_cut_short("target", {"time_budget_hit": False, "step": 800})  # a finished stage goes on
+def test_a_stage_cut_short_by_max_minutes_is_not_done(driver, tmp_path, monkeypatch, capsys):
+    rundir.stop_if_cut_short("target", {"time_budget_hit": False, "step": 800})  # a finished stage goes on
+
+    def cut_short_target(run):
+        rundir.stop_if_cut_short("target", {"time_budget_hit": True, "step": 312})
+
+    monkeypatch.setitem(recipe.RUNNERS, "target", cut_short_target)
     with pytest.raises(SystemExit) as stopped:
-        driver.stop_if_cut_short("target", {"time_budget_hit": True, "step": 312})
+        driver.main(["--out", str(tmp_path / "run"), "--smoke", "--stages", "target"])
     assert stopped.value.code == driver.CUT_SHORT
     assert "stopped by --max-minutes at step 312: its state is kept; rerun with --resume" in capsys.readouterr().err
