@@ -102,6 +102,13 @@ def _generate(args) -> int:
         f"\n[k26jax] {s['new_tokens']} tokens in {s['steps']} steps, {speed}, prefill {s['prefill_s']:.2f}s",
         file=sys.stderr,
     )
+    if "auto" in s:
+        a = s["auto"]
+        print(
+            f"[k26jax] budget auto: steps per candidate {a['choices']}, measured step ms {a['step_ms']}, "
+            f"drafter calibration gamma {a['calibration_gamma']:.2f}",
+            file=sys.stderr,
+        )
     if args.profile:
         print(f"[k26jax] profile of the run in {args.profile}: open it with TensorBoard or Perfetto", file=sys.stderr)
     return 0
@@ -113,6 +120,22 @@ def _serve(args) -> int:
     except ModuleNotFoundError as e:
         raise ValueError(f"`k26jax serve` needs {e.name}: pip install 'k26jax[serve]'") from None
     return server.run(args)
+
+
+BUDGET_HELP = "DDTree nodes verified per step, or 'auto': chosen each step for the most tokens a second"
+
+
+def budget_arg(text: str) -> int | str:
+    """--budget: a positive integer or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a positive integer or 'auto'")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -128,7 +151,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
     g.add_argument("--method", default="ddtree", choices=METHODS)
-    g.add_argument("--budget", type=int, default=32, help="DDTree nodes verified per step")
+    g.add_argument("--budget", type=budget_arg, default=32, help=BUDGET_HELP)
     g.add_argument("--max-new-tokens", type=int, default=48)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -146,7 +169,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--method", default="ddtree", choices=METHODS)
-    s.add_argument("--budget", type=int, default=32, help="DDTree nodes verified per step")
+    s.add_argument("--budget", type=budget_arg, default=32, help=BUDGET_HELP)
     s.add_argument("--max-batch", type=int, default=8, help="slots decoded together")
     s.add_argument("--max-len", type=int, default=4096, help="cache rows per slot: prompt + completion + draft")
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before a 503")

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from k26jax import budget, ops
 from k26jax import cache as kc
-from k26jax import ops
 from k26jax.config import ModelConfig
 from k26jax.model import drafter as drafter_lib
 from k26jax.model import target
@@ -43,7 +43,9 @@ class StepConfig:
     it. sampling=False compiles argmax only (every slot greedy); True compiles the per-slot choice (argmax where a
     slot's temperature is 0, else a tempered top-p sample). logprobs: the step also returns the log-probability of
     each emitted token under the target (log-softmax of its logits at temperature 1) and the `top_logprobs`
-    most likely tokens there, computed on the accepted path only.
+    most likely tokens there, computed on the accepted path only. estimate: (method, budget) candidates whose
+    tree survival the step also reports in `DecodeState.survival`, from one build at the largest budget
+    (k26jax.budget; what budget="auto" chooses from); a DDTree step then verifies that build's prefix.
     """
 
     method: str = "ddtree"
@@ -54,6 +56,7 @@ class StepConfig:
     sampling: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    estimate: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -64,6 +67,8 @@ class StepConfig:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS or (self.top_logprobs and not self.logprobs):
             raise ValueError(f"top_logprobs={self.top_logprobs}: need 0..{MAX_TOP_LOGPROBS}, and logprobs=True")
+        if self.estimate and (self.method == "ar" or any(m not in ("chain", "ddtree") for m, _ in self.estimate)):
+            raise ValueError(f"estimate={self.estimate}: chain / ddtree candidates, for a chain or ddtree step")
 
     @property
     def depth(self) -> int:
@@ -103,6 +108,7 @@ class DecodeState:
     logprob: jax.Array  # [C, P] float32 their log-probabilities ([C, 0] without logprobs)
     top_ids: jax.Array  # [C, P, K] the K most likely tokens at each ([C, 0, 0] without logprobs)
     top_logprob: jax.Array  # [C, P, K] float32
+    survival: jax.Array  # [C, nB, L] float32: per sc.estimate candidate, P(tau >= a + 1) by the last step's draft
 
 
 def max_steps(sc: StepConfig) -> int:
@@ -245,6 +251,7 @@ def prefill(
         logprob=logprob,
         top_ids=top_ids,
         top_logprob=top_logprob,
+        survival=jnp.zeros((C, len(sc.estimate), sc.depth), jnp.float32),
     )
     out, num_out, done, n = _record(state, emitted, jnp.ones(C, jnp.int32), sc)
     return state.replace(out=out, num_out=num_out, done=done, num_emitted=n)
@@ -282,6 +289,7 @@ def empty_state(
         logprob=jnp.zeros((C, Pl), jnp.float32),
         top_ids=zeros(C, Pl, K),
         top_logprob=jnp.zeros((C, Pl, K), jnp.float32),
+        survival=jnp.zeros((C, len(sc.estimate), sc.depth), jnp.float32),
     )
 
 
@@ -393,12 +401,19 @@ class TreeAccept:
 
 # ---- one step --------------------------------------------------------------------------------------------
 def build_tree(draft_logits_CLV, *, sc: StepConfig, impls: ops.Impls):
-    """(tokens [C,B], depths [C,B], parents [C,B+1], num_nodes [C]) for the step's method."""
+    """((tokens [C,B], depths [C,B], parents [C,B+1], num_nodes [C]) for the step's method, survival [C, nB, L]
+    of sc.estimate's candidates (nB = 0 without))."""
     C, L, V = draft_logits_CLV.shape
     B = sc.tree_size
+    survival = jnp.zeros((C, 0, L), jnp.float32)
+    if sc.estimate:
+        est = budget.candidate_taus(draft_logits_CLV, sc.estimate, impls=impls)
+        survival = est.survival
+        if sc.method == "ddtree" and B <= est.tree[0].shape[1]:
+            return budget.prefix_tree(est.tree, B), survival
     logq, ids = ops.draft_topk(draft_logits_CLV, 1 if sc.method == "chain" else min(B, V))
     budgets = jnp.full((C,), B, jnp.int32)
-    return ops.tree_build(logq, ids, budgets, max_budget=B, impls=impls)
+    return ops.tree_build(logq, ids, budgets, max_budget=B, impls=impls), survival
 
 
 def step(
@@ -420,11 +435,12 @@ def step(
     if sc.method == "ar":
         tokens, depths = jnp.zeros((C, 0), jnp.int32), jnp.zeros((C, 0), jnp.int32)
         parents, num_nodes = jnp.full((C, 1), -1, jnp.int32), jnp.zeros(C, jnp.int32)
+        survival = state.survival
     else:
         with jax.named_scope("draft"):
             draft_CLV = drafter.propose(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc)
         with jax.named_scope("tree_build"):
-            tokens, depths, parents, num_nodes = build_tree(draft_CLV, sc=sc, impls=impls)
+            (tokens, depths, parents, num_nodes), survival = build_tree(draft_CLV, sc=sc, impls=impls)
     with jax.named_scope("verify"):
         ids = jnp.concatenate([state.root[:, None], jnp.maximum(tokens, 0)], axis=1)  # [C, B+1]
         positions = state.cache.lengths[:, None] + jnp.concatenate(
@@ -444,6 +460,7 @@ def step(
             path, accept_len, bonus = acceptor.accept(tokens, parents, post, num_nodes, state, sc=sc, impls=impls)
     with jax.named_scope("commit"):
         state = commit(state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc)
+        state = state.replace(survival=survival)
     if not sc.logprobs:
         return state
     # emitted token j was chosen at path node j: its distribution is that node's row of logits

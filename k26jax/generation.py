@@ -11,11 +11,12 @@ from typing import Callable
 import jax
 import numpy as np
 
-from k26jax import engine
+from k26jax import autobudget, engine
 from k26jax.api import Model
 
 log = logging.getLogger(__name__)
 
+STREAM_FIELDS = ("emitted", "num_emitted", "done", "step")
 DEFAULT_CKPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tiny")
 
 
@@ -64,7 +65,7 @@ def generate(
     *,
     max_new_tokens: int,
     method: str = "ddtree",
-    budget: int = 32,
+    budget: int | str = 32,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
@@ -77,8 +78,9 @@ def generate(
     prompt).
 
     loop="python" steps from Python and streams new tokens to on_tokens(index, ids); loop="while" runs every
-    step inside one lax.while_loop. `drafter` replaces the model's DFlash drafter (an `engine.Drafter`, e.g. an
-    oracle in tests).
+    step inside one lax.while_loop. budget="auto" (DDTree, loop="python"): each step runs chain or DDTree at the
+    budget with the most expected tokens a second (k26jax.autobudget); stats["auto"] says what it chose.
+    `drafter` replaces the model's DFlash drafter (an `engine.Drafter`, e.g. an oracle in tests).
     Prompt i samples from the PRNG stream fold_in(key(seed), i) (`engine.slot_keys`).
     stats: steps, per-step accept lengths, tau, new tokens, prefill (incl. its compile), step compile and
     decode seconds, and decode tokens/s (the tokens after the prefill's first one, compile excluded).
@@ -88,18 +90,24 @@ def generate(
         raise ValueError(f"method={method!r} needs a drafter: load the model with drafter=DIR")
     if loop not in ("python", "while"):
         raise ValueError(f"loop={loop!r}: use 'python' or 'while'")
+    auto = budget == "auto"
+    if auto and (method != "ddtree" or loop != "python"):
+        raise ValueError(f"budget='auto' needs method='ddtree' and loop='python' (got {method!r}, {loop!r})")
+    if not auto and (isinstance(budget, bool) or not isinstance(budget, int | np.integer)):
+        raise ValueError(f"budget={budget!r}: use a positive integer or 'auto'")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature={temperature}, top_p={top_p}: need T >= 0 and 0 < top_p <= 1")
     sc = engine.StepConfig(
         method=method,
-        budget=budget,
+        budget=32 if auto else int(budget),
         max_new_tokens=max_new_tokens,
         eos_ids=tuple(model.cfg.eos_token_ids),
         block_size=dcfg.block_size if dcfg is not None else 8,
         sampling=temperature > 0,
     )
     ids, lengths, cache_len = _prepare(model, prompts, max_new_tokens, sc, max_len)
-    dec = engine.Decoder(model.cfg, dcfg, sc, model.impls, drafter=drafter or engine.DFlashDraft())
+    kw = dict(drafter=drafter or engine.DFlashDraft())
+    dec = (autobudget.auto_decoder if auto else engine.Decoder)(model.cfg, dcfg, sc, model.impls, **kw)
     dparams = model.drafter_params if dcfg is not None else None
     log.info("prefill of %d prompt(s) of up to %d tokens (compiled on first use of these shapes)", *ids.shape)
     t0 = time.perf_counter()
@@ -116,19 +124,26 @@ def generate(
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     log.info("compiling the %s step (first run only: then from the in-memory or persistent cache)", method)
-    decode = dec.compile("loop" if loop == "while" else "step", model.params, dparams, state)
+    if auto:
+        policy = dec.prepare(model.params, dparams, state, progress=log.info)
+        decode, counts_before = dec.step, list(policy.counts)
+    else:
+        decode = dec.compile("loop" if loop == "while" else "step", model.params, dparams, state)
     t_compiled = time.perf_counter()
     if loop == "while":
         state = decode(model.params, dparams, state)
     else:
+        was_done = None
         while True:  # one small transfer a step: what the last prefill / step appended, and whether to go on
-            emitted, num_emitted, done, step = jax.device_get(
-                (state.emitted, state.num_emitted, state.done, state.step)
-            )
+            host = jax.device_get({f: getattr(state, f) for f in STREAM_FIELDS + (dec.FIELDS if auto else ())})
+            num_emitted, done = host["num_emitted"], host["done"]
+            if auto and was_done is not None:
+                dec.observe(host, was_done)
+            was_done = done
             if on_tokens is not None:
                 for i in np.nonzero(num_emitted)[0]:
-                    on_tokens(int(i), emitted[i, : num_emitted[i]].tolist())
-            if done.all() or step >= engine.max_steps(sc):
+                    on_tokens(int(i), host["emitted"][i, : num_emitted[i]].tolist())
+            if done.all() or host["step"] >= engine.max_steps(sc):
                 break
             state = decode(model.params, dparams, state)
     out, num_out = np.asarray(state.out), np.asarray(state.num_out)
@@ -146,6 +161,11 @@ def generate(
         "decode_s": t2 - t_compiled,
         "tokens_per_s": float((num_out.sum() - len(ids)) / max(t2 - t_compiled, 1e-9)),
         "method": method,
-        "budget": sc.tree_size,
+        "budget": "auto" if auto else sc.tree_size,
     }
+    if auto:
+        used = [n - m for n, m in zip(policy.counts, counts_before)]
+        stats["auto"] = policy.stats() | {
+            "choices": {autobudget.label(c): n for c, n in zip(policy.candidates, used) if n}
+        }
     return Result([out[i, : num_out[i]].tolist() for i in range(len(ids))], stats)

@@ -1,7 +1,7 @@
 """`k26jax serve` as a client sees it: a real server process on 127.0.0.1 and the official openai client.
 
-One server (tiny checkpoint, float32, DDTree B = 8, 4 slots) serves most tests; a second one (AR), started at the
-same time, holds the fault-injection seam and is stopped by SIGTERM. Greedy outputs are checked against
+One server (tiny checkpoint, float32, DDTree with --budget auto, 4 slots) serves most tests; a second one (AR),
+started at the same time, holds the fault-injection seam and is stopped by SIGTERM. Greedy outputs are checked against
 `k26jax.generate` under DESIGN's near-tie rule (compared up to the first position whose float32 top-1/top-2 margin
 is < 1e-4).
 """
@@ -29,7 +29,7 @@ from k26jax.tokenizer import StreamDecoder
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.path.join(ROOT, "checkpoints", "tiny")
 KEY = "sk-test-key"
-MAIN = ["--method", "ddtree", "--budget", "8", "--max-batch", "4", "--max-len", "128", "--max-queue", "12"]
+MAIN = ["--method", "ddtree", "--budget", "auto", "--max-batch", "4", "--max-len", "128", "--max-queue", "12"]
 NEW = 16
 LONG = 100
 rng = np.random.default_rng(0)
@@ -417,6 +417,10 @@ def test_metrics_count_what_was_served(server, client):
     assert after["k26jax_accept_length_count"] > before["k26jax_accept_length_count"]
     assert after["k26jax_time_to_first_token_seconds_count"] == before["k26jax_time_to_first_token_seconds_count"] + 1
     assert after["k26jax_queue_depth"] == 0
+    steps = after["k26jax_step_seconds_count"] - before["k26jax_step_seconds_count"]
+    chosen = lambda m: sum(v for k, v in m.items() if k.startswith("k26jax_budget_choices_total{"))
+    assert chosen(after) - chosen(before) == steps  # --budget auto: every step's candidate is counted
+    assert any(k.startswith("k26jax_budget_step_ms{") for k in after) and "k26jax_budget_calibration_gamma" in after
 
 
 # ---- text: UTF-8 and stop strings ---------------------------------------------------------------------------------

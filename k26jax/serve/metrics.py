@@ -1,10 +1,12 @@
 """Prometheus metrics of a server (its own registry, served at /metrics).
 
 Compilations are counted from JAX's backend-compile events, so any recompile in the process shows, not only
-those of the programs the scheduler knows about.
+those of the programs the scheduler knows about (one listener for the process, fanned out to the live Metrics).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import prometheus_client as prom
 from jax import monitoring
@@ -54,13 +56,22 @@ class Metrics:
         self.queue_depth = prom.Gauge("k26jax_queue_depth", "Requests waiting for a slot", registry=r)
         self.slots_in_use = prom.Gauge("k26jax_slots_in_use", "Slots holding a request", registry=r)
         self.compilations = prom.Counter("k26jax_compilations", "XLA compilations in this process", registry=r)
+        self.budget_choices = prom.Counter(
+            "k26jax_budget_choices", "Steps run per candidate (--budget auto)", ["candidate"], registry=r
+        )
+        self.budget_step_ms = prom.Gauge(
+            "k26jax_budget_step_ms", "Measured step time per candidate (--budget auto)", ["candidate"], registry=r
+        )
+        self.calibration_gamma = prom.Gauge(
+            "k26jax_budget_calibration_gamma", "Drafter calibration g(S) = S^gamma (--budget auto)", registry=r
+        )
         self.compiled = 0
-        monitoring.register_event_duration_secs_listener(self._on_event)
+        _LIVE.add(self)
+        _listen()
 
-    def _on_event(self, event: str, duration: float, **_):
-        if event == COMPILE_EVENT:
-            self.compiled += 1
-            self.compilations.inc()
+    def compiled_one(self):
+        self.compiled += 1
+        self.compilations.inc()
 
     # ---- called by the scheduler and the app ------------------------------------------------------------------
     def finished(self, outcome: str):
@@ -89,5 +100,29 @@ class Metrics:
     def tokens(self, n: int):
         self.generation_tokens.inc(n)
 
+    def budget_step(self, ran: str, policy):
+        """A --budget auto step ran candidate `ran`; the policy's measured times and calibration."""
+        self.budget_choices.labels(ran).inc()
+        for name, ms in policy.stats()["step_ms"].items():
+            self.budget_step_ms.labels(name).set(ms)
+        self.calibration_gamma.set(policy.gamma)
+
     def render(self) -> bytes:
         return prom.generate_latest(self.registry)
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_LISTENING = []
+
+
+def _on_event(event: str, duration: float, **_):
+    if event == COMPILE_EVENT:
+        for m in list(_LIVE):
+            m.compiled_one()
+
+
+def _listen():
+    """Register the process's one compile listener (jax keeps listeners for the life of the process)."""
+    if not _LISTENING:
+        monitoring.register_event_duration_secs_listener(_on_event)
+        _LISTENING.append(True)

@@ -6,7 +6,8 @@ One thread owns the device. Each turn of its loop, on the host:
      slot i of the donated state) and delivers each first token;
   3. dispatches one step (`Decoder.step`, state donated) for all slots;
   4. delivers the previous step's tokens while this one runs on the device (a one-step pipeline), then copies
-     this step's emission arrays (a few KB) to the host.
+     this step's emission arrays (a few KB) to the host. With --budget auto (`autobudget.AutoDecoder`) they
+     carry the candidates' tree survival too, and the step's time and outcome pick the next step's budget.
 A slot whose request finished on the device (EOS, its token limit) is freed when its last tokens are delivered.
 A slot the host freed may go on decoding on the device until it is reused: its tokens are dropped, and its
 sampling values and limit are its own, so no other slot sees them.
@@ -28,7 +29,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from k26jax import engine
+from k26jax import autobudget, engine
 from k26jax.serve.metrics import Metrics
 
 log = logging.getLogger("k26jax.serve")
@@ -94,7 +95,7 @@ class Scheduler:
 
     def __init__(
         self,
-        dec: engine.Decoder,
+        dec: engine.Decoder | autobudget.AutoDecoder,
         params,
         dparams,
         *,
@@ -117,6 +118,8 @@ class Scheduler:
         self.drain_deadline: float | None = None
         self.steps = 0
         self.faults = {int(s) for s in os.environ.get(FAULT_ENV, "").split(",") if s.strip()}
+        self.auto = isinstance(dec, autobudget.AutoDecoder)
+        self.fields = EMISSION_FIELDS + (("survival",) if self.auto else ())
         self.fetched = None  # (owners, host emission arrays) of the last step, not yet delivered
         self.state = self._empty()
         self.thread = threading.Thread(target=self._run, name="k26jax-engine", daemon=True)
@@ -167,7 +170,11 @@ class Scheduler:
         for T in buckets(self.max_len):
             ids = np.zeros((1, T), np.int32)
             self.state = self.dec.insert(self.params, self.dparams, self.state, *_insert_args(0, ids, 1, 1))
-        self.state = self.dec.step(self.params, self.dparams, self.state)
+        if self.auto:  # every candidate's step, compiled for this state and run once
+            self.dec.prepare(self.params, self.dparams, self.state, progress=log.info)
+            self.state = self.dec.warm(self.params, self.dparams, self.state)
+        else:
+            self.state = self.dec.step(self.params, self.dparams, self.state)
         jax.block_until_ready(self.state)
         self.state = None  # free the warm-up state before the fresh one is made (two caches may not fit)
         self.state = self._empty()
@@ -206,6 +213,10 @@ class Scheduler:
         self._deliver_fetched()  # host work while the step runs
         self.fetched = (owners, self._fetch())
         self.metrics.step(time.perf_counter() - started)
+        if self.auto:
+            ran = self.dec.candidates[self.dec.choice]
+            self.dec.observe(self.fetched[1], [r is None for r in owners])
+            self.metrics.budget_step(autobudget.label(ran), self.dec.policy)
 
     def _done_on_device(self, slot: int, r: Request) -> bool:
         """Whether the fetched, undelivered step finished r (so r needs no further step)."""
@@ -213,7 +224,7 @@ class Scheduler:
 
     def _fetch(self) -> dict:
         """The state's emission arrays on the host; waits for the step or insert in flight."""
-        return jax.device_get({f: getattr(self.state, f) for f in EMISSION_FIELDS})
+        return jax.device_get({f: getattr(self.state, f) for f in self.fields})
 
     def _empty(self):
         return self.dec.empty(batch=self.max_batch, max_len=self.max_len, dtype=self.dtype, ctx_dtype=self.ctx_dtype)

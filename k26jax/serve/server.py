@@ -14,7 +14,7 @@ import time
 import jax
 import uvicorn
 
-from k26jax import engine
+from k26jax import autobudget, engine
 from k26jax.api import load
 from k26jax.serve.app import ServerConfig, create_app
 from k26jax.serve.metrics import Metrics
@@ -39,7 +39,7 @@ def step_config(args, cfg, dcfg) -> engine.StepConfig:
     --max-len (each slot's own limit is its request's max_tokens)."""
     return engine.StepConfig(
         method=args.method,
-        budget=args.budget,
+        budget=32 if args.budget == "auto" else args.budget,
         max_new_tokens=args.max_len,
         eos_ids=tuple(cfg.eos_token_ids),
         block_size=dcfg.block_size if dcfg is not None else 8,
@@ -58,11 +58,14 @@ def load_decoder(args):
     if args.max_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-len {args.max_len} is beyond max_position_embeddings ({cfg.max_position_embeddings})")
     dcfg = model.drafter_cfg if args.method != "ar" else None
-    dec = engine.Decoder(cfg, dcfg, step_config(args, cfg, dcfg), model.impls)
+    if args.budget == "auto" and args.method != "ddtree":
+        raise ValueError(f"--budget auto chooses DDTree budgets: use it with --method ddtree (not {args.method})")
+    kind = autobudget.AutoDecoder if args.budget == "auto" else engine.Decoder
+    dec = kind(cfg, dcfg, step_config(args, cfg, dcfg), model.impls)
     return dec, model.params, model.drafter_params if dcfg is not None else None, model.tokenizer
 
 
-def start(args, dec: engine.Decoder, params, dparams, tokenizer, name: str):
+def start(args, dec: engine.Decoder | autobudget.AutoDecoder, params, dparams, tokenizer, name: str):
     """Warm the engine (compile every insert bucket and the step), start its thread; (scheduler, uvicorn config)."""
     if args.max_batch < 1 or args.max_queue < 0:
         raise ValueError(f"--max-batch {args.max_batch} / --max-queue {args.max_queue}: need >= 1 / >= 0")

@@ -1,0 +1,173 @@
+"""budget="auto": each step runs the candidate (chain, or DDTree at a budget) with the most expected tokens a second.
+
+Every candidate's step is compiled with `StepConfig.estimate` = the candidates, so a step also reports, from its
+one tree build at the largest budget, the survival S [C, nB, L] of every candidate's tree (k26jax.budget). The
+host reads it with the step's tokens (the one small transfer a step its loops already make) and runs the next
+step with argmax_B sum_c E[tau_c](B) / t(B): the choice is one step stale and costs no device sync.
+
+t(B) is measured, not modelled: the exponential average of that candidate's recent step times in this process
+(dispatch to its tokens on the host) for this batch and cache size. Each candidate is tried twice first (an
+executable's first run carries one-off costs), and the least recently timed one is retried every `explore_every`
+steps, since the costs move as contexts grow. Every candidate is lossless, so trying one changes speed, never the
+tokens at temperature 0.
+
+Calibration: each step's predicted S_a of the tree it verified is paired with whether that slot's accept length
+reached a + 1; every `refit_every` steps `budget.calibrate` refits g(S) = S^gamma over the pairs so far (gamma > 1:
+the drafter is overconfident), and E[tau] = 1 + sum_a g(S_a).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import numpy as np
+
+from k26jax import budget, engine
+
+CANDIDATES = budget.CANDIDATES
+EMA = 0.3  # weight of the newest step time
+MAX_PAIRS = 1 << 16  # calibration pairs kept (the newest)
+
+
+def label(candidate) -> str:
+    """ "chain" or "ddtree32": a candidate's name in stats and metrics."""
+    method, b = candidate
+    return method if method == "chain" else f"{method}{b}"
+
+
+@dataclasses.dataclass
+class Policy:
+    """The host side of budget="auto" for one batch and cache size: step times, calibration, the choice."""
+
+    candidates: tuple
+    explore_every: int = 32
+    refit_every: int = 16
+    seconds: list = dataclasses.field(default=None)  # EMA step time per candidate (None: not timed yet)
+    timed_at: list = dataclasses.field(default=None)  # the step count when each was last timed
+    counts: list = dataclasses.field(default=None)  # steps run per candidate
+    gamma: float = 1.0
+    steps: int = 0
+    predicted: list = dataclasses.field(default_factory=list)
+    observed: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        n = len(self.candidates)
+        self.seconds = self.seconds or [None] * n
+        self.timed_at = self.timed_at or [-1] * n
+        self.counts = self.counts or [0] * n
+
+    def taus(self, survival_CnBL) -> np.ndarray:
+        """Calibrated E[tau] [C, nB] from the step's survival."""
+        s = np.clip(np.asarray(survival_CnBL, np.float64), 0.0, 1.0)
+        return 1.0 + (s**self.gamma).sum(-1)
+
+    def choose(self, survival_CnBL, active_C) -> int:
+        """The next step's candidate index: an untimed one first, the stalest every explore_every steps, else
+        the best expected rate."""
+        untimed = [i for i, n in enumerate(self.counts) if n < 2]  # a first run may carry one-off costs
+        if untimed:
+            return untimed[0]
+        if self.explore_every and self.steps % self.explore_every == self.explore_every - 1:
+            return int(np.argmin(self.timed_at))
+        return budget.choose_budget_host(self.taus(survival_CnBL), self.seconds, active_C)
+
+    def observe(self, choice: int, seconds: float, survival_CnBL, accept_C, valid_C) -> None:
+        """A step of candidate `choice` took `seconds`; accept_C: its accept lengths, valid_C: the slots where
+        that length is the tree's (active and not cut by EOS or a token limit)."""
+        old = self.seconds[choice]  # a candidate's first step may carry one-off costs: its second replaces it
+        self.seconds[choice] = seconds if self.counts[choice] < 2 else (1 - EMA) * old + EMA * seconds
+        self.timed_at[choice], self.counts[choice] = self.steps, self.counts[choice] + 1
+        self.steps += 1
+        valid = np.asarray(valid_C, bool)
+        if valid.any():
+            s, y = budget.calibration_pairs(np.asarray(survival_CnBL)[valid, choice], np.asarray(accept_C)[valid])
+            self.predicted.extend(s.tolist())
+            self.observed.extend(y.tolist())
+            del self.predicted[:-MAX_PAIRS], self.observed[:-MAX_PAIRS]
+        if self.refit_every and self.steps % self.refit_every == 0 and self.predicted:
+            self.gamma = budget.calibrate(self.predicted, self.observed, kind="power").gamma
+
+    def stats(self) -> dict:
+        return {
+            "choices": {label(c): n for c, n in zip(self.candidates, self.counts) if n},
+            "step_ms": {label(c): round(1e3 * t, 3) for c, t in zip(self.candidates, self.seconds) if t is not None},
+            "calibration_gamma": self.gamma,
+        }
+
+
+class AutoDecoder:
+    """A Decoder per candidate over one shared decode state: `prefill`, `empty` and `insert` are a Decoder's;
+    `prepare` compiles every candidate's step for a state's shapes and picks the policy of those shapes; `step`
+    runs the current choice. After each step the caller reads `FIELDS` of the state to the host and passes them
+    to `observe`, which times the step and picks the next candidate."""
+
+    FIELDS = ("survival", "num_emitted", "done")
+
+    def __init__(self, cfg, dcfg, sc: engine.StepConfig, impls, candidates=CANDIDATES, **decoder_kw):
+        self.cfg, self.candidates = cfg, tuple(candidates)
+        self.decoders = tuple(
+            engine.Decoder(
+                cfg, dcfg, dataclasses.replace(sc, method=m, budget=b, estimate=self.candidates), impls, **decoder_kw
+            )
+            for m, b in self.candidates
+        )
+        self.sc = self.decoders[-1].sc
+        self._prepared: dict = {}  # shapes -> (executables, Policy)
+        self.executables, self.policy = None, None
+        self.choice, self._dispatched = 0, None
+
+    def prefill(self, *args, **kw):
+        return self.decoders[0].prefill(*args, **kw)
+
+    def empty(self, **kw):
+        return self.decoders[0].empty(**kw)
+
+    def insert(self, *args):
+        return self.decoders[0].insert(*args)
+
+    def prepare(self, params, dparams, state, progress=None) -> Policy:
+        """Compile each candidate's step for this state's batch and cache (once per shapes; progress(msg) is told
+        of each) and use those shapes' policy, whose timings persist across calls."""
+        key = (state.root.shape[0], state.cache.rows.shape, str(state.cache.rows.dtype))
+        if key not in self._prepared:
+            exes = []
+            for i, d in enumerate(self.decoders):
+                if progress:
+                    progress(f"compiling candidate step {i + 1}/{len(self.decoders)} ({label(self.candidates[i])})")
+                exes.append(d.compile("step", params, dparams, state))
+            self._prepared[key] = (exes, Policy(self.candidates))
+        self.executables, self.policy = self._prepared[key]
+        self.choice = self.policy.choose(np.zeros((1, len(self.candidates), 1)), np.ones(1))
+        return self.policy
+
+    def warm(self, params, dparams, state):
+        """Run every candidate's step once on a state with `prepare`d shapes (its first-run costs), untimed;
+        returns the state."""
+        for exe in self.executables:
+            state = exe(params, dparams, state)
+        return state
+
+    def step(self, params, dparams, state):
+        if self.policy is None:
+            raise RuntimeError("AutoDecoder.step: call prepare(params, dparams, state) first")
+        self._dispatched = (self.choice, time.perf_counter())
+        return self.executables[self.choice](params, dparams, state)
+
+    def observe(self, host: dict, was_done_C) -> int:
+        """host: this step's FIELDS on the host; was_done_C: the slots already done before it. Returns the next
+        step's candidate index."""
+        choice, started = self._dispatched
+        seconds = time.perf_counter() - started
+        done = np.asarray(host["done"], bool)
+        valid = ~np.asarray(was_done_C, bool) & ~done
+        self.policy.observe(choice, seconds, host["survival"], np.asarray(host["num_emitted"]), valid)
+        self.choice = self.policy.choose(host["survival"], ~done)
+        return self.choice
+
+
+@functools.lru_cache(maxsize=16)
+def auto_decoder(cfg, dcfg, sc: engine.StepConfig, impls, candidates=CANDIDATES, **decoder_kw) -> AutoDecoder:
+    """The AutoDecoder of these settings, shared by calls (so its compiled steps and measured times persist)."""
+    return AutoDecoder(cfg, dcfg, sc, impls, candidates, **decoder_kw)

@@ -1,0 +1,126 @@
+"""budget="auto" (k26jax.autobudget): the host policy on hand-made inputs, the step's survival against
+k26jax.budget's estimate of the same draft, and generate's auto decoding against AR (lossless)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import k26jax
+from k26jax import autobudget, budget, engine
+from k26jax.generation import DEFAULT_CKPT, generate
+
+CANDS = (("chain", 7), ("ddtree", 8), ("ddtree", 32))
+
+
+def _survival(rng, C=3, n=len(CANDS), L=7):
+    """A valid survival [C, nB, L]: non-increasing in depth."""
+    return np.sort(rng.random((C, n, L)), axis=-1)[..., ::-1].copy()
+
+
+def test_every_candidate_is_run_twice_before_any_choice():
+    rng = np.random.default_rng(0)
+    pol = autobudget.Policy(CANDS, explore_every=0)
+    seen = []
+    for _ in range(2 * len(CANDS)):
+        i = pol.choose(_survival(rng), np.ones(3))
+        seen.append(i)
+        pol.observe(i, 0.01 * (i + 1), _survival(rng), np.ones(3, int), np.zeros(3, bool))
+    assert seen == [0, 0, 1, 1, 2, 2]
+
+
+def test_the_choice_maximises_expected_tokens_per_second_over_active_slots():
+    rng = np.random.default_rng(1)
+    pol = autobudget.Policy(CANDS, explore_every=0, refit_every=0)
+    times = [0.010, 0.012, 0.030]
+    for i, t in enumerate(times):
+        for _ in range(2):
+            pol.observe(i, t, _survival(rng), np.ones(3, int), np.zeros(3, bool))
+    for _ in range(20):
+        s, active = _survival(rng), rng.random(3) < 0.7
+        tau = 1 + s.sum(-1)
+        want = int(np.argmax((tau * active[:, None]).sum(0) / np.asarray(times)))
+        assert pol.choose(s, active) == want
+    # a slower step can win when its expected accept length grows enough
+    s = np.zeros((1, 3, 7))
+    s[0, 2] = 1.0
+    assert pol.choose(s, np.ones(1)) == 2
+
+
+def test_step_times_average_after_the_first_and_the_stalest_is_retried():
+    pol = autobudget.Policy(CANDS, explore_every=4, refit_every=0)
+    zero = np.zeros((1, 3, 7))
+    pol.observe(0, 9.0, zero, np.ones(1, int), np.zeros(1, bool))
+    pol.observe(0, 1.0, zero, np.ones(1, int), np.zeros(1, bool))
+    assert pol.seconds[0] == 1.0  # the first run's one-off cost is replaced
+    pol.observe(0, 2.0, zero, np.ones(1, int), np.zeros(1, bool))
+    assert pol.seconds[0] == pytest.approx((1 - autobudget.EMA) * 1.0 + autobudget.EMA * 2.0)
+    for i in (1, 1, 2, 2):
+        pol.observe(i, 1.0, zero, np.ones(1, int), np.zeros(1, bool))
+    assert pol.steps == 7 and pol.choose(zero, np.ones(1)) == 0  # steps % 4 == 3: the least recently timed
+
+
+def test_calibration_finds_an_overconfident_drafter():
+    """Accept lengths drawn as if P(tau >= a + 1) were S_a^2: the refit gamma comes out near 2, and E[tau] uses it."""
+    rng = np.random.default_rng(2)
+    pol = autobudget.Policy(CANDS, explore_every=0, refit_every=50)
+    for _ in range(400):
+        s = _survival(rng, C=4)
+        u = rng.random(4)
+        accept = 1 + (s[:, 1] ** 2 > u[:, None]).sum(-1)  # tau >= a + 1 iff u < S_a^2 (S non-increasing)
+        pol.observe(1, 0.01, s, accept, np.ones(4, bool))
+    assert 1.7 < pol.gamma < 2.3, pol.gamma
+    s = _survival(rng)
+    np.testing.assert_allclose(pol.taus(s), 1 + (s**pol.gamma).sum(-1))
+
+
+def test_a_step_reports_the_survival_budget_estimates_from_its_draft():
+    """RandomDraft's logits are a known function of the step: the state's survival after one step equals
+    budget.candidate_taus on them, and DDTree verifies that build's prefix (lossless against AR below)."""
+    model = k26jax.load(DEFAULT_CKPT, dtype="float32")
+    sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=8, estimate=CANDS)
+    draft = engine.RandomDraft(seed=3)
+    dec = engine.Decoder(model.cfg, model.drafter_cfg, sc, model.impls, drafter=draft)
+    ids = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
+    state = dec.prefill(model.params, model.drafter_params, ids, np.array([12, 9]), jax.random.key(0), max_len=64)
+    state = dec.step(model.params, model.drafter_params, state)
+    logits = draft.propose(None, None, dataclasses.replace(state, step=state.step - 1), cfg=model.cfg, dcfg=None, sc=sc)
+    want = budget.candidate_taus(logits, CANDS, impls=model.impls).survival
+    np.testing.assert_allclose(np.asarray(state.survival), np.asarray(want), rtol=1e-6, atol=1e-7)
+    assert state.survival.shape == (2, len(CANDS), sc.depth) and float(np.min(want[:, :, 0])) > 1e-4
+
+
+def test_auto_decoding_emits_ar_tokens_and_reports_its_choices():
+    """float32 greedy: whatever candidates the policy runs, the tokens are AR's; the second call reuses the
+    compiled steps and the measured times."""
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        model = k26jax.load(DEFAULT_CKPT, dtype="float32")
+        prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+        ar = generate(model, prompts, max_new_tokens=30, method="ar")
+        first = generate(model, prompts, max_new_tokens=30, budget="auto")
+        again = generate(model, prompts, max_new_tokens=30, budget="auto")
+    finally:
+        jax.config.update("jax_default_matmul_precision", None)
+    assert first.tokens == ar.tokens == again.tokens
+    a = first.stats["auto"]
+    assert first.stats["budget"] == "auto" and sum(a["choices"].values()) == first.stats["steps"]
+    assert all(a["choices"].get(autobudget.label(c), 0) >= 2 for c in budget.CANDIDATES)  # each tried twice
+    assert set(a["step_ms"]) == {autobudget.label(c) for c in budget.CANDIDATES}
+    assert sum(again.stats["auto"]["choices"].values()) == again.stats["steps"]
+    assert again.stats["compile_s"] < first.stats["compile_s"]
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(budget="auto", method="chain"), "needs method='ddtree'"),
+        (dict(budget="auto", loop="while"), "loop='python'"),
+        (dict(budget="big"), "positive integer or 'auto'"),
+    ],
+)
+def test_bad_budget_arguments_are_named(kw, words):
+    model = k26jax.load(DEFAULT_CKPT, dtype="float32")
+    with pytest.raises(ValueError, match=words):
+        generate(model, [[1, 2, 3]], max_new_tokens=4, **kw)
