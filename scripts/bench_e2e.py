@@ -2,11 +2,16 @@
 
 Every step is the engine's own (`engine.Decoder`: DFlash draft, top-K, tree_build, target verify with the
 tree-masked MLA and INT4 MoE kernels, per-node choice, tree_accept, commit), compiled whole by the Decoder, with
-one change, made through its acceptor seam (`ControlledAccept`): the real tree_accept runs, then its result is
-replaced by a seeded draw with mean --tau (random weights accept nothing), so the step emits tau tokens per
-sequence like a trained drafter would, and commits tau rows (path = nodes 0..tau-1; for a chain that is the real
-path, for a tree it is the first-popped nodes, a real path when the drafter is confident). Weights are random and
-made on the device.
+acceptance controlled through its drafter and acceptor seams (random weights accept nothing):
+  --acceptance synthetic (default): k26jax.synthetic's calibrated drafter. The real DFlash drafter still runs (its
+    cost is paid), but the tree is built from a profile's per-depth distributions and the "target" token at each
+    depth is drawn from the drafter's own marginal; the real tree_accept walks the real tree. AR, chain and every
+    DDTree budget then earn the accept length their trees really earn under one assumption (a calibrated drafter,
+    DDTree's own, which flatters trees). The profile is fitted so that the chain's E[tau] at b = 8 is --tau
+    (5.3: Kimi-K2.5 DFlash's published figure); rows carry that E[tau] and the realised mean.
+  --acceptance fixed: the labelled old option (`ControlledAccept`): tree_accept's result replaced by a seeded draw
+    of mean --tau for chain and DDTree alike (--tau-chain for the chain), path = the first-popped nodes.
+Weights are random and made on the device.
 
 Caches are filled by a synthetic prefill (random latent rows and drafter context K/V, lengths = context).
 Each step is timed as `Decoder.run`, a lax.fori_loop of --steps steps in one executable (median over repeats of
@@ -57,7 +62,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from k26jax import api, engine, generate, ops, sharding  # noqa: E402
+from k26jax import api, engine, generate, ops, sharding, synthetic  # noqa: E402
 from k26jax import cache as kc  # noqa: E402
 from k26jax.config import DrafterConfig, ModelConfig, preset  # noqa: E402
 from k26jax.model import drafter as drafter_lib  # noqa: E402
@@ -124,6 +129,7 @@ class Setup:
             self.dparams_abs, drafter_lib.drafter_partition_specs(self.dcfg, mesh.shape[sharding.MODEL]), mesh
         )
         self.replicated = NamedSharding(mesh, P())
+        self.profile = acceptance_profile(args, self.cfg.vocab_size)
 
     def step_config(self, v: Variant) -> engine.StepConfig:
         return engine.StepConfig(
@@ -176,10 +182,18 @@ class Setup:
             self.dcfg,
             self.step_config(v),
             dataclasses.replace(impls, **skipped),
-            drafter=engine.RandomDraft(self.args.seed) if "draft" in v.skip else engine.DFlashDraft(),
-            acceptor=ControlledAccept(self.tau(v), self.args.seed),
+            **self.acceptance(v),
             xla_defaults="options" in v.skip,
         )
+
+    def acceptance(self, v: Variant) -> dict:
+        """The drafter and acceptor of v (module docstring); "draft" in v.skip swaps the DFlash drafter's cost for
+        RandomDraft's."""
+        base = engine.RandomDraft(self.args.seed) if "draft" in v.skip else engine.DFlashDraft()
+        if self.profile is None:
+            return dict(drafter=base, acceptor=ControlledAccept(self.tau(v), self.args.seed))
+        drafter, acceptor = synthetic.synthetic_pair(self.profile, self.args.seed, base=base)
+        return dict(drafter=drafter, acceptor=acceptor)
 
     def compile_steps(self, v: Variant, impls: ops.Impls):
         """`Decoder.run` of --steps steps, compiled on abstract arguments (nothing allocated)."""
@@ -193,7 +207,7 @@ class Setup:
         )
 
     def tau(self, v: Variant) -> float:
-        return {"ar": 1.0, "chain": self.args.tau_chain or self.args.tau, "ddtree": self.args.tau}[v.method]
+        return method_tau(self.args, v.method, v.budget, self.profile)
 
     def build_fn(self, v: Variant):
         sc, impls = self.step_config(v), self.impls
@@ -210,6 +224,28 @@ def _build_with_visibility(draft_logits, sc, impls):
 
 
 # ---- synthetic prefill and the controlled step -------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def _profile(chain_tau: float, vocab: int) -> synthetic.Profile:
+    return synthetic.fit_profile(chain_tau, 8, vocab=vocab)
+
+
+def acceptance_profile(args, vocab: int) -> synthetic.Profile | None:
+    """The calibrated synthetic profile (chain E[tau] = --tau at b = 8), or None for --acceptance fixed."""
+    return _profile(args.tau, vocab) if args.acceptance == "synthetic" else None
+
+
+@functools.lru_cache(maxsize=256)
+def _expected_tau(profile: synthetic.Profile, method: str, budget: int) -> float:
+    return synthetic.expected_tau(profile, method, budget)
+
+
+def method_tau(args, method: str, budget: int, profile) -> float:
+    """The accept length a row's tok/s uses: the profile's E[tau] of the method, or the fixed --tau."""
+    if profile is not None:
+        return _expected_tau(profile, method, budget)
+    return {"ar": 1.0, "chain": args.tau_chain or args.tau, "ddtree": args.tau}[method]
+
+
 def synthetic_state(key, *, cfg, dcfg, sc: engine.StepConfig, C: int, S: int, context: int, dtype):
     """A DecodeState as prefill leaves it after `context` tokens: random latent rows and drafter K/V, every slot
     active and greedy with the whole output capacity as its limit."""
@@ -872,7 +908,7 @@ def bounds(args, ceil: dict) -> list[dict]:
     dcfg = kimi_drafter_config(cfg61, tiny=False)
     n, rows = args.gpus, []
     for (method, budget), C, ctx in itertools.product(methods(args), args.concurrency, args.contexts):
-        tau = {"ar": 1.0, "chain": args.tau_chain or args.tau, "ddtree": args.tau}[method]
+        tau = method_tau(args, method, budget, acceptance_profile(args, cfg61.vocab_size))
         row = {
             "kind": "bound",
             "method": method,
@@ -1021,8 +1057,16 @@ def parse_args(argv=None):
     harness.add_record_args(ap, "bench/results/e2e.json")
     ap.add_argument("--preset", default="k26", choices=("k26", "tiny"), help="k26: k26-depthN at full width")
     ap.add_argument("--layers", type=int, default=12, help="N (the N/2 rows give the per-layer cost)")
-    ap.add_argument("--tau", type=float, default=5.3, help="DDTree accept length (Kimi-K2.5 DFlash figure)")
-    ap.add_argument("--tau-chain", type=float, default=None, help="chain accept length (default: --tau)")
+    ap.add_argument(
+        "--acceptance",
+        default="synthetic",
+        choices=("synthetic", "fixed"),
+        help="synthetic: a calibrated drafter, each method earns its own tau; fixed: one --tau for all (old)",
+    )
+    ap.add_argument(
+        "--tau", type=float, default=5.3, help="the chain's E[tau] at b = 8 (synthetic), or the fixed accept length"
+    )
+    ap.add_argument("--tau-chain", type=float, default=None, help="--acceptance fixed: chain accept length")
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--methods", nargs="+", default=list(engine.METHODS), choices=engine.METHODS)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 4, 10])
@@ -1065,6 +1109,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if not 1 <= args.tau <= 8 or (args.tau_chain is not None and not 1 <= args.tau_chain <= 8):
         ap.error("--tau/--tau-chain: an accept length must lie in [1, block_size] = [1, 8]")
+    if args.acceptance == "synthetic" and not 1 < args.tau < 8:
+        ap.error("--tau: the synthetic profile's chain E[tau] must lie strictly inside (1, 8)")
     if not 1 <= args.steps <= STEPS_CAP:
         ap.error(f"--steps must lie in [1, {STEPS_CAP}] (the caches have room for that many commits)")
     if args.cpu_mesh8:

@@ -13,7 +13,9 @@ and from the server's /metrics: tau (tokens per slot-step), mean step and insert
 starts, so the two never share the device): C prompts inserted, then --bare-steps `Decoder.step` calls back to back
 with every slot active; tok/s over those steps. --stall-len N measures how one N-token prefill delays the other
 streams' next chunk. --synthetic serves a K2.6-width random model (bench_e2e's configs, --layers deep) whose
-acceptance is bench_e2e's ControlledAccept with mean --tau, so scheduling costs show at real shapes.
+acceptance is k26jax.synthetic's calibrated drafter (the chain's E[tau] = --tau at b = 8, each budget earning its
+own tree's), so scheduling costs show at real shapes; --budget auto serves and bare-loops the auto choice (its
+bare loop reads each step's survival to the host, as the server does).
 
 GPU (the server and the clients on one machine):
   python scripts/bench_serve.py --launch --bare --label mini_ddtree -- --ckpt checkpoints/mini --method ddtree
@@ -83,12 +85,13 @@ class IdTokenizer:
 
 def synthetic_engine(args, sargs):
     """(Decoder, params, drafter params): bench_e2e's K2.6-width target (--layers deep) and DFlash drafter with
-    random weights made on the device, and its controlled acceptance of mean --tau."""
+    random weights made on the device, and its calibrated synthetic acceptance (the chain's E[tau] = --tau at b = 8,
+    each budget earning its tree's); --budget auto gives an AutoDecoder over the same pair."""
     import bench_e2e
     import jax
     import jax.numpy as jnp
 
-    from k26jax import engine, ops
+    from k26jax import autobudget, engine, ops, synthetic
     from k26jax.model import drafter as drafter_lib
     from k26jax.model import target
     from k26jax.serve import server
@@ -100,8 +103,11 @@ def synthetic_engine(args, sargs):
     dtype = jnp.float32 if tiny else jnp.bfloat16
     params, dparams = jax.jit(lambda: (target.init_params(cfg, 0, dtype), drafter_lib.init_params(dcfg, 1, dtype)))()
     d = dcfg if sargs.method != "ar" else None
-    acceptor = bench_e2e.ControlledAccept(args.tau if sargs.method != "ar" else 1.0, 0)
-    dec = engine.Decoder(cfg, d, server.step_config(sargs, cfg, d), ops.Impls.auto(), acceptor=acceptor)
+    profile = synthetic.fit_profile(args.tau, 8, vocab=cfg.vocab_size)
+    drafter, acceptor = synthetic.synthetic_pair(profile, 0, base=engine.DFlashDraft())
+    kw = dict(drafter=drafter, acceptor=acceptor) if d is not None else {}
+    kind = autobudget.AutoDecoder if sargs.budget == "auto" else engine.Decoder
+    dec = kind(cfg, d, server.step_config(sargs, cfg, d), ops.Impls.auto(), **kw)
     return dec, params, dparams if d is not None else None
 
 
@@ -139,11 +145,20 @@ def bare_loop(args) -> dict:
             ids[0, : args.prompt_len] = prompts[c % len(prompts)]
             scalars = (np.int32(args.prompt_len), np.uint32(c), np.float32(args.temperature), np.float32(1.0))
             state = dec.insert(params, dparams, state, np.int32(c), ids, *scalars, np.int32(room))
-        state = dec.step(params, dparams, state)  # compile and warm
+        step = dec.step
+        if sargs.budget == "auto":
+            dec.prepare(params, dparams, state)
+
+            def step(params, dparams, state):
+                state = dec.step(params, dparams, state)
+                dec.observe(jax.device_get({f: getattr(state, f) for f in dec.FIELDS}), np.zeros(C, bool))
+                return state
+
+        state = step(params, dparams, state)  # compile and warm
         start_out = np.asarray(state.num_out).copy()
         t0 = time.perf_counter()
         for _ in range(steps):
-            state = dec.step(params, dparams, state)
+            state = step(params, dparams, state)
         num_out = np.asarray(state.num_out)
         seconds = time.perf_counter() - t0
         tokens = int((num_out - start_out).sum())
@@ -354,6 +369,8 @@ def run_bare_subprocess(args, workdir) -> dict:
 
 # ---- main ------------------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
+    from k26jax import cli
+
     argv = sys.argv[1:] if argv is None else argv
     serve_extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
@@ -385,7 +402,7 @@ def parse_args(argv=None):
     synth.add_argument("--layers", type=int, default=8)
     synth.add_argument("--tau", type=float, default=5.3)
     synth.add_argument("--method", default="ddtree", choices=("ddtree", "chain", "ar"))
-    synth.add_argument("--budget", type=int, default=32)
+    synth.add_argument("--budget", type=cli.budget_arg, default=32, help="DDTree nodes per step, or auto")
     synth.add_argument("--max-batch", type=int, default=10)
     synth.add_argument("--max-len", type=int, default=1024)
     synth.add_argument("--max-queue", type=int, default=256)

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from k26jax import synthetic
 from k26jax.config import preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +58,7 @@ def cpu_record(bench, tmp_path_factory):
         return rc, json.load(f), out.parent / "trace"
 
 
-def test_cpu_mesh8_ddtree_equals_ar_and_measures(cpu_record):
+def test_cpu_mesh8_ddtree_equals_ar_and_measures(cpu_record, bench):
     rc, record, trace = cpu_record
     assert rc == 0
     assert list(trace.rglob("*.xplane.pb")), "--profile wrote no trace"
@@ -69,8 +70,22 @@ def test_cpu_mesh8_ddtree_equals_ar_and_measures(cpu_record):
     assert step["step_ms"] > 0 and 1 <= step["tau_realised"] <= 8
     assert step["pct_of_floor"] == pytest.approx(100 * step["floor_ms"] / step["step_ms"])
     assert step["tok_s"] == pytest.approx(step["tau"] * step["C"] / step["step_ms"] * 1e3)
+    profile = bench.acceptance_profile(bench.parse_args([]), 1024)  # the tiny preset's vocabulary
+    assert step["tau"] == pytest.approx(synthetic.expected_tau(profile, "ddtree", 8))  # the calibrated default
     assert "not meaningful" in record["note"]
     assert {"device", "date", "commit", "command", "rows"} <= set(record)
+
+
+def test_synthetic_acceptance_gives_each_method_the_tau_its_tree_earns(bench):
+    """Default: chain E[tau] = --tau at b = 8 and DDTree's grows with the budget; --acceptance fixed: one tau."""
+    args = bench.parse_args([])
+    profile = bench.acceptance_profile(args, 163840)
+    chain = bench.method_tau(args, "chain", 7, profile)
+    trees = [bench.method_tau(args, "ddtree", b, profile) for b in (8, 32, 128)]
+    assert chain == pytest.approx(5.3, abs=1e-3) and chain < trees[0] < trees[1] < trees[2] < 8
+    fixed = bench.parse_args(["--acceptance", "fixed", "--tau-chain", "4"])
+    assert bench.acceptance_profile(fixed, 163840) is None
+    assert [bench.method_tau(fixed, m, 32, None) for m in ("ar", "chain", "ddtree")] == [1.0, 4.0, 5.3]
 
 
 @pytest.mark.parametrize("tau", [1.0, 2.5, 5.3, 8.0])
