@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERT_LEAVES = ("w13_packed", "w13_scale", "w2_packed", "w2_scale")
 HEARTBEAT_S = 5
 IDS = (np.arange(2 * 12).reshape(2, 12) * 7) % 1000
+GEN_PROMPTS, GEN_NEW = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41], [900, 3, 77, 1]], 24
 
 
 # ---- the worker (one process of the job) -------------------------------------------------------------------
@@ -62,6 +63,12 @@ def worker(mode: str, out: str, ckpt: str | None) -> None:
             np.save(os.path.join(out, f"logits{me}.npy"), np.asarray(logits))
         with open(os.path.join(out, f"result{me}.json"), "w") as f:
             json.dump(result, f)
+        return
+    if mode == "generate":
+        model = k26jax.load(ckpt, mesh=mesh, dtype="float32", expert_mode="ep_global")
+        res = k26jax.generate(model, GEN_PROMPTS, max_new_tokens=GEN_NEW, budget=8)
+        with open(os.path.join(out, f"result{me}.json"), "w") as f:
+            json.dump({"tokens": res.tokens, "tau": res.stats["tau"]}, f)
         return
     step = jax.jit(lambda x: x.sum(0), out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     x = jax.make_array_from_callback(
@@ -277,6 +284,22 @@ def test_two_processes_read_their_half_and_match_one_process(ckpt, tmp_path):
     for i in range(2):
         got = np.load(tmp_path / f"logits{i}.npy")
         assert got.shape == (2, 12, 1024) and _rel_err(got, one) < 1e-5, _rel_err(got, one)
+
+
+def test_two_processes_generate_the_single_process_tokens(tmp_path):
+    """(slow: two processes) Multi-controller `generate`: both processes run the same jitted DDTree steps on the
+    global (2, 4) mesh and return the tokens of the 1-process x 8-device run (float32, greedy)."""
+    import k26jax
+    from k26jax import sharding
+
+    tiny = os.path.join(ROOT, "checkpoints", "tiny")
+    procs = _launch("generate", str(tmp_path), tiny)
+    model = k26jax.load(tiny, mesh=sharding.make_mesh(8), dtype="float32", expert_mode="ep")
+    want = k26jax.generate(model, GEN_PROMPTS, max_new_tokens=GEN_NEW, budget=8).tokens
+    _wait(procs, str(tmp_path))
+    for i in range(2):
+        got = json.load(open(tmp_path / f"result{i}.json"))["tokens"]
+        assert got == want, (i, got, want)
 
 
 def test_each_process_checks_only_its_own_chunks(ckpt, tmp_path):
