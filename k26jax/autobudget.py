@@ -104,6 +104,7 @@ class AutoDecoder:
     to `observe`, which times the step and picks the next candidate."""
 
     FIELDS = ("survival", "num_emitted", "done")
+    auto = True
 
     def __init__(self, cfg, dcfg, sc: engine.StepConfig, impls, candidates=CANDIDATES, **decoder_kw):
         self.cfg, self.candidates = cfg, tuple(candidates)

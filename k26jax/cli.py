@@ -29,9 +29,27 @@ def _raised_by_k26jax(error: BaseException) -> bool:
     return tb is None or "site-packages" not in tb.tb_frame.f_code.co_filename
 
 
-def _setup(args):
-    """Logging to stderr and jax's persistent compilation cache, before anything compiles."""
+def placement(args) -> dict:
+    """load()'s mesh and expert_mode from --devices and --expert-mode: a ("data", "model") mesh over the devices
+    (every process's, after k26jax.distributed.initialize), none for one device; experts split over the whole mesh
+    ("ep_global") when several processes share it, else over "model" ("ep")."""
     import jax
+
+    from k26jax import sharding
+
+    n = args.devices or jax.device_count()
+    mode = args.expert_mode if args.expert_mode != "auto" else ("ep_global" if jax.process_count() > 1 else "ep")
+    return dict(mesh=sharding.make_mesh(n) if n > 1 or jax.process_count() > 1 else None, expert_mode=mode)
+
+
+def _setup(args):
+    """Logging to stderr, the job's processes (k26jax.distributed: nothing without its environment or a launcher)
+    and jax's persistent compilation cache, before anything touches a device."""
+    import jax
+
+    from k26jax import distributed
+
+    distributed.initialize()
 
     logging.basicConfig(format="[k26jax] %(message)s", stream=sys.stderr)
     logging.getLogger("k26jax").setLevel(logging.DEBUG if args.debug else logging.INFO)
@@ -48,7 +66,7 @@ def _generate(args) -> int:
     from k26jax.generation import generate
     from k26jax.tokenizer import StreamDecoder
 
-    model = load(args.ckpt, drafter=args.drafter, dtype=args.dtype, verify=not args.no_verify)
+    model = load(args.ckpt, drafter=args.drafter, dtype=args.dtype, verify=not args.no_verify, **placement(args))
     if args.method != "ar" and model.drafter_cfg is None:
         raise ValueError(f"--method {args.method} needs a DFlash drafter: pass --drafter DIR, or use --method ar")
     tok = model.tokenizer
@@ -138,6 +156,19 @@ def budget_arg(text: str) -> int | str:
     return value
 
 
+def _placement_args(p):
+    from k26jax.sharding import EXPERT_MODES
+
+    p.add_argument("--devices", type=int, default=0, help="devices to shard over (default 0: all of the job's)")
+    p.add_argument(
+        "--expert-mode",
+        default="auto",
+        choices=("auto", *EXPERT_MODES),
+        help="routed experts: ep (split over a host's devices), tp, ep_global (over every process's); auto: "
+        "ep_global with several processes, else ep",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     from k26jax.engine import METHODS
     from k26jax.generation import DEFAULT_CKPT
@@ -157,6 +188,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    _placement_args(g)
     g.add_argument("--no-verify", action="store_true", help="skip checking a converted checkpoint's chunk sha256s")
     g.add_argument("--profile", default=None, metavar="DIR", help="write a jax.profiler trace of the decode to DIR")
     g.add_argument("--no-compile-cache", action="store_true", help="do not keep compiled programs on disk")
@@ -179,6 +211,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $K26JAX_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: CKPT's name)")
     s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    _placement_args(s)
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--no-compile-cache", action="store_true", help="do not keep compiled programs on disk")

@@ -95,8 +95,9 @@ def _free_port() -> int:
 
 
 def _launch(
-    mode: str, out: str, ckpt: str | None = None, processes: int = 2, devices: int = 4
+    mode: str, out: str, ckpt: str | None = None, processes: int = 2, devices: int = 4, command=None
 ) -> list[subprocess.Popen]:
+    """`processes` processes of one job on 127.0.0.1: this file's worker in `mode`, or `command` (python args)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
     env.update(
@@ -111,7 +112,8 @@ def _launch(
     procs = []
     for i in range(processes):
         log = open(os.path.join(out, f"log{i}.txt"), "w")
-        cmd = [sys.executable, os.path.abspath(__file__), mode, out] + ([ckpt] if ckpt else [])
+        cmd = [sys.executable, *command] if command else [sys.executable, os.path.abspath(__file__), mode, out]
+        cmd += [ckpt] if ckpt and not command else []
         procs.append(subprocess.Popen(cmd, env=env | {"K26JAX_PROCESS_ID": str(i)}, stdout=log, stderr=log))
     return procs
 
@@ -300,6 +302,44 @@ def test_two_processes_generate_the_single_process_tokens(tmp_path):
     for i in range(2):
         got = json.load(open(tmp_path / f"result{i}.json"))["tokens"]
         assert got == want, (i, got, want)
+
+
+def test_a_two_process_server_answers_from_process_0_as_one_process_would(tmp_path):
+    """(slow: two processes) `k26jax serve` under K26JAX_* on two processes: process 0 serves HTTP and leads, process
+    1 follows its calls (budget="auto", so the step choice must reach it too). A completion through the openai
+    client equals the 1-process x 8-device greedy tokens; SIGTERM stops process 0, which stops its follower."""
+    import openai
+
+    import k26jax
+    from k26jax import sharding
+    from k26jax.tokenizer import StreamDecoder
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve = ["-m", "k26jax", "serve", "--ckpt", os.path.join(ROOT, "checkpoints", "tiny"), "--dtype", "float32"]
+    serve += ["--port", str(port), "--budget", "auto", "--max-batch", "2", "--max-len", "32", "--log-level", "warning"]
+    procs = _launch("serve", str(tmp_path), command=serve)
+    model = k26jax.load(os.path.join(ROOT, "checkpoints", "tiny"), mesh=sharding.make_mesh(8), dtype="float32")
+    want = k26jax.generate(model, GEN_PROMPTS[:2], max_new_tokens=12, budget=8).tokens
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+    deadline = time.monotonic() + 400
+    while True:
+        assert all(p.poll() is None for p in procs), _log(str(tmp_path), 0)[-3000:] + _log(str(tmp_path), 1)[-3000:]
+        try:
+            client.models.list()
+            break
+        except openai.APIConnectionError:
+            assert time.monotonic() < deadline, "the server never came up"
+            time.sleep(1)
+    for prompt, tokens in zip(GEN_PROMPTS[:2], want):
+        res = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        stream = StreamDecoder(model.tokenizer)
+        assert res.usage.completion_tokens == len(tokens)
+        text = stream.feed([t for t in tokens if t not in model.cfg.eos_token_ids])
+        assert res.choices[0].text == text + stream.flush()
+    procs[0].send_signal(signal.SIGTERM)
+    _wait(procs, str(tmp_path), timeout=120)
 
 
 def test_each_process_checks_only_its_own_chunks(ckpt, tmp_path):

@@ -16,6 +16,7 @@ import uvicorn
 
 from k26jax import autobudget, engine
 from k26jax.api import load
+from k26jax.serve import multihost
 from k26jax.serve.app import ServerConfig, create_app
 from k26jax.serve.metrics import Metrics
 from k26jax.serve.scheduler import Scheduler, buckets
@@ -51,7 +52,9 @@ def step_config(args, cfg, dcfg) -> engine.StepConfig:
 
 def load_decoder(args):
     """(Decoder, params, drafter params, tokenizer) for the checkpoint the `serve` arguments name."""
-    model = load(args.ckpt, drafter=args.drafter, dtype=args.dtype)
+    from k26jax.cli import placement
+
+    model = load(args.ckpt, drafter=args.drafter, dtype=args.dtype, **placement(args))
     cfg = model.cfg
     if args.method != "ar" and model.drafter_cfg is None:
         raise ValueError(f"--method {args.method} needs a drafter: pass --drafter DIR (or use --method ar)")
@@ -124,8 +127,17 @@ def serve(sched: Scheduler, config, drain_timeout: float) -> int:
 
 
 def run(args) -> int:
-    """`k26jax serve`."""
+    """`k26jax serve`. Several processes (k26jax.distributed): process 0 serves HTTP and leads, the others follow
+    its device calls (serve/multihost.py)."""
     dec, params, dparams, tokenizer = load_decoder(args)
+    if jax.process_index() > 0:
+        print(f"[k26jax] process {jax.process_index()}: following process 0's steps", file=sys.stderr, flush=True)
+        return multihost.follow(dec, params, dparams)
+    leader = multihost.Leader(dec) if jax.process_count() > 1 else None
     name = args.served_model_name or os.path.basename(os.path.normpath(args.ckpt))
-    sched, config = start(args, dec, params, dparams, tokenizer, name)
-    return serve(sched, config, args.drain_timeout)
+    sched, config = start(args, leader or dec, params, dparams, tokenizer, name)
+    try:
+        return serve(sched, config, args.drain_timeout)
+    finally:
+        if leader is not None:
+            leader.stop()
