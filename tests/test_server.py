@@ -1,7 +1,8 @@
 """`k26jax serve` as a client sees it: a real server process on 127.0.0.1 and the official openai client.
 
-One server (tiny checkpoint, float32, DDTree with --budget auto, 4 slots) serves most tests; a second one (AR),
-started at the same time, holds the fault-injection seam and is stopped by SIGTERM. Greedy outputs are checked against
+One server (tiny checkpoint, float32, DDTree with --budget auto, 4 slots, sharded over the 8 emulated devices)
+serves most tests; a second one (AR, one device), started at the same time, holds the fault-injection seam and is
+stopped by SIGTERM. Greedy outputs are checked against
 `k26jax.generate` under DESIGN's near-tie rule (compared up to the first position whose float32 top-1/top-2 margin
 is < 1e-4).
 """
@@ -94,7 +95,7 @@ def processes(tmp_path_factory):
     """Both servers, started together so their warm-ups overlap with each other and with `trajectories`."""
     logs = tmp_path_factory.mktemp("serve")
     main = ServerProcess(logs / "main.log", *MAIN, "--api-key", KEY)
-    ar_args = ["--method", "ar", "--max-batch", "2", "--max-len", "64", "--drain-timeout", "30"]
+    ar_args = ["--method", "ar", "--max-batch", "2", "--max-len", "64", "--drain-timeout", "30", "--devices", "1"]
     ar = ServerProcess(logs / "ar.log", *ar_args, env={FAULT_ENV: "2"})
     yield main, ar
     main.stop()
