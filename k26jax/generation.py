@@ -93,6 +93,8 @@ def generate(
     auto = budget == "auto"
     if auto and (method != "ddtree" or loop != "python"):
         raise ValueError(f"budget='auto' needs method='ddtree' and loop='python' (got {method!r}, {loop!r})")
+    if auto and jax.process_count() > 1:  # each process would time its own steps and could choose differently
+        raise ValueError("budget='auto' is for one process (or the server, where process 0 chooses): use a number")
     if not auto and (isinstance(budget, bool) or not isinstance(budget, int | np.integer)):
         raise ValueError(f"budget={budget!r}: use a positive integer or 'auto'")
     if temperature < 0 or not 0 < top_p <= 1:
