@@ -20,13 +20,18 @@ from k26jax.config import ConfigError
 USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError)
 
 
+OUR_CODE = tuple(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + pkg + os.sep for pkg in ("k26jax", "convert")
+)
+
+
 def _raised_by_k26jax(error: BaseException) -> bool:
-    """A user's mistake is refused by k26jax's own checks; a ValueError raised inside jax or another library is a
-    bug, and keeps its traceback."""
+    """A user's mistake is refused by k26jax's own checks (raised in k26jax's or convert's files, wherever they are
+    installed); a ValueError raised inside jax or another library is a bug, and keeps its traceback."""
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is None or "site-packages" not in tb.tb_frame.f_code.co_filename
+    return tb is None or os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(OUR_CODE)
 
 
 def placement(args) -> dict:

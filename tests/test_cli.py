@@ -122,6 +122,20 @@ def test_a_value_error_from_inside_a_library_keeps_its_traceback(monkeypatch):
         cli.main(["generate", "--prompt", "hi", "--no-compile-cache"])
 
 
+@pytest.mark.parametrize("where,ours", [("k26jax/generation.py", True), ("convert/__main__.py", True), (None, False)])
+def test_user_errors_are_told_apart_by_the_file_that_raised_them_wherever_k26jax_is_installed(monkeypatch, where, ours):
+    """An installed k26jax lives in site-packages, as jax does: what matters is whether the raising file is ours."""
+    from k26jax import cli
+
+    root = "/usr/lib/python3/site-packages"
+    monkeypatch.setattr(cli, "OUR_CODE", (f"{root}/k26jax/", f"{root}/convert/"))
+    path = os.path.join(root, where) if where else f"{root}/jax/_src/numpy.py"
+    try:
+        exec(compile("raise ValueError('x')", path, "exec"))
+    except ValueError as e:
+        assert cli._raised_by_k26jax(e) is ours
+
+
 def test_one_string_is_one_prompt():
     import k26jax
 
