@@ -40,7 +40,8 @@ class Impls:
     """Which implementation each op uses; hashable, so it can be a static jit argument.
 
     moe and attention also take "skip" for benchmark phase ablations: `moe_gemm` then returns x_ND and
-    `mla_attention` q_lat, with no kernel, so a step's time can be taken apart phase by phase.
+    `mla_attention` q_lat, with no kernel, so a step's time can be taken apart phase by phase. probe: a
+    k26jax.routing.ExpertProbe that every `moe_gemm` reports its layer's expert ids to (a measurement build).
     """
 
     moe: str = "reference"
@@ -50,6 +51,7 @@ class Impls:
     mesh: Mesh | None = None
     expert_mode: str = "ep"
     interpret: bool = False
+    probe: object | None = None
 
     def __post_init__(self):
         for field in ("moe", "attention", "tree_build", "tree_accept"):
@@ -74,6 +76,8 @@ def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
     The weights are the whole per-layer stacks ([n, E, ...]): the kernel indexes the layer itself, because a
     slice in front of a custom call would copy ~9.5 GB of experts per K2.6 layer. See int4_moe_gemm.py.
     """
+    if impls.probe is not None:
+        jax.debug.callback(impls.probe.record, layer, topk_ids)
     if impls.moe == SKIP:
         return x_ND
     args = (x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)

@@ -20,10 +20,16 @@ the drafter), attention / moe (`ops.Impls(attention="skip")`: the MLA returns it
 experts return their input), or options (`Decoder(xla_defaults=True)`: XLA's defaults, which copy weights every
 step, see ops.py); the tree build (top-K + tree_build + visibility) is timed on its own.
 
-floor (bytes): weights the step must read (attention, dense and shared MLPs, router, the routed experts that
-C*(B+1) tokens touch under uniform top-8-of-384 routing, embedding rows, lm_head once for verify and once for
-the draft, the drafter) + latent cache and drafter context K/V up to the context length, over the measured copy
-rate. The same accounting per GPU, with a collective term, projects the 61-layer 8-GPU step (see `project`).
+floor (bytes): weights the step must read (attention, dense and shared MLPs, router, the routed experts that the
+step's C*(B+1) tokens touch, embedding rows, lm_head once for verify and once for the draft, the drafter) + latent
+cache and drafter context K/V up to the context length, over the measured copy rate; an ablation's floor leaves
+out the bytes it skips. The routed experts are counted, not assumed (--touched measure): two probe steps of each
+shape report every MoE layer's expert ids to the host (`routing.ExpertProbe`), and the row records the mean
+distinct experts a layer touched beside uniform routing's expectation. The random router is first balanced as a
+trained K2.6's is (--router balanced: its e_score_correction_bias set by DeepSeek-V3's sign update over a
+calibration batch; a "router" row gives the load imbalance before and after), since an unbalanced random router
+crowds tokens onto few experts and lets a step read less than a real one. The same accounting per GPU, with a
+collective term, projects the 61-layer 8-GPU step (see `project`).
 
 GPU (one H200, ~7 min):
   PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 470 \\
@@ -62,7 +68,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from k26jax import api, engine, generate, ops, sharding, synthetic  # noqa: E402
+from k26jax import api, engine, generate, ops, routing, sharding, synthetic  # noqa: E402
 from k26jax import cache as kc  # noqa: E402
 from k26jax.config import DrafterConfig, ModelConfig, preset  # noqa: E402
 from k26jax.model import drafter as drafter_lib  # noqa: E402
@@ -93,6 +99,11 @@ class Variant:
     C: int
     context: int
     skip: tuple[str, ...] = ()
+
+    @property
+    def shape_key(self) -> tuple:
+        """What routing depends on: depth, method, budget, batch (not the context, nor the ablations)."""
+        return (self.layers, self.method, self.budget, self.C)
 
     @property
     def name(self) -> str:
@@ -130,6 +141,8 @@ class Setup:
         )
         self.replicated = NamedSharding(mesh, P())
         self.profile = acceptance_profile(args, self.cfg.vocab_size)
+        self.probe = routing.ExpertProbe(self.cfg.n_routed_experts)
+        self.probe_impls = dataclasses.replace(self.impls, probe=self.probe)
 
     def step_config(self, v: Variant) -> engine.StepConfig:
         return engine.StepConfig(
@@ -205,6 +218,53 @@ class Setup:
             state_abs,
             num_steps=self.args.steps,
         )
+
+    def compile_probe(self, v: Variant):
+        """One step of v reporting every MoE layer's expert ids to self.probe (the touched-experts count)."""
+        state_abs = _with_sharding(jax.eval_shape(self._fill(v), jax.random.key(0)), self.state_shardings(v))
+        start = time.perf_counter()
+        compiled = self.decoder(v, self.probe_impls).compile(
+            "step",
+            _with_sharding(self.params_abs, self.params_sh),
+            _with_sharding(self.dparams_abs, self.dparams_sh),
+            state_abs,
+        )
+        return {"compiled": compiled, "compile_s": time.perf_counter() - start}
+
+    def balance(self, params):
+        """params with each MoE layer's router bias balanced over a calibration batch of random tokens
+        (routing.balance_bias), and the record of it."""
+        if not self.cfg.n_routed_experts:
+            return params, None
+        rng = np.random.default_rng(self.args.seed)
+        ids = rng.integers(0, self.cfg.vocab_size, (4, 256)).astype(np.int32)
+        lengths = np.full((4,), 256, np.int32)
+        prefill = jax.jit(functools.partial(api._prefill, cfg=self.cfg, impls=self.probe_impls, hidden_layer_ids=()))
+        bias_leaf = params["moe"]["mlp"]["router_bias"]
+
+        def with_bias(bias):
+            mlp = dict(
+                params["moe"]["mlp"], router_bias=jax.device_put(bias.astype(bias_leaf.dtype), bias_leaf.sharding)
+            )
+            return {**params, "moe": {**params["moe"], "mlp": mlp}}
+
+        def loads(bias):
+            self.probe.clear()
+            jax.block_until_ready(prefill(with_bias(bias), ids, lengths))
+            return self.probe.loads(bias_leaf.shape[0])
+
+        start = time.perf_counter()
+        bias, before, after = routing.balance_bias(loads, np.asarray(bias_leaf, np.float32))
+        self.probe.clear()
+        record = {
+            "kind": "router",
+            "layers": self.layers,
+            "calibration_tokens": int(ids.size),
+            "imbalance_random": before,
+            "imbalance_balanced": after,
+            "seconds": time.perf_counter() - start,
+        }
+        return with_bias(bias), record
 
     def tau(self, v: Variant) -> float:
         return method_tau(self.args, v.method, v.budget, self.profile)
@@ -294,6 +354,11 @@ class ControlledAccept:
 
 
 # ---- bytes and FLOPs a step must move ----------------------------------------------------------------------
+# what an ablation's step no longer reads: the routed experts; the attention kernel's cache reads (its projections
+# still run); the drafter (RandomDraft's logits instead)
+SKIPPED_PARTS = {"moe": ("routed",), "attention": ("kv_cache",), "draft": ("drafter", "drafter_ctx", "draft_lm_head")}
+
+
 @functools.lru_cache(maxsize=None)
 def experts_touched(tokens: int, num_experts: int, top_k: int, n: int, trials: int = 64):
     """(expected distinct experts touched, expected max over n expert-parallel shards) under uniform routing."""
@@ -319,8 +384,12 @@ def traffic(
     n: int = 1,
     expert_mode: str = "ep",
     dtype=jnp.bfloat16,
+    touched: tuple[float, float] | None = None,
+    skip: tuple[str, ...] = (),
 ) -> dict:
-    """Per-GPU {part: [bytes, flops]} of one step (n GPUs: the repo's sharding; caches replicated as designed)."""
+    """Per-GPU {part: [bytes, flops]} of one step (n GPUs: the repo's sharding; caches replicated as designed).
+    touched: (distinct routed experts a layer reads, the most on one of n shards) as measured (`routing`), else
+    uniform routing's expectation; skip: the phases an ablation removes, whose bytes and FLOPs are left out."""
     L = 0 if method == "ar" else dcfg.block_size - 1
     T = 1 + {"ar": 0, "chain": L, "ddtree": budget}[method]
     tokens = C * T
@@ -333,8 +402,8 @@ def traffic(
     routed_b, routed_e = w["routed"]
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     if E:
-        touched, worst = experts_touched(tokens, E, k, n)
-        share = touched / E if expert_mode == "tp" or n == 1 else worst * n / E
+        hit, worst = touched or experts_touched(tokens, E, k, n)
+        share = hit / E if expert_mode == "tp" or n == 1 else worst * n / E
         out["routed"] = [routed_b * share, 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * k * tokens / n]
     D, H = cfg.hidden_size, cfg.num_attention_heads
     out["embed"] = [tokens * D * item, 0]
@@ -357,6 +426,9 @@ def traffic(
             dcfg.num_hidden_layers * C * context * kv_heads * dcfg.head_dim * 2 * item,
             dcfg.num_hidden_layers * 2 * 2 * C * block * q_heads * context * dcfg.head_dim,
         ]
+    for phase in skip:
+        for part in SKIPPED_PARTS.get(phase, ()):
+            out.pop(part, None)
     return out
 
 
@@ -502,6 +574,7 @@ class Runner:
         self.args, self.mesh, self.record, self.out_path = args, mesh, record, out_path
         self.compiler = Compiler(max(1, min(args.compile_workers, (os.cpu_count() or 2) - 2)))
         self.setups, self.params, self.states, self.failed_depths = {}, None, {}, set()
+        self.touched_seen = {}  # shape_key -> measured (experts a layer touches, busiest shard)
         self.ceil = record["ceilings"]
 
     def remaining(self) -> float:
@@ -521,6 +594,8 @@ class Runner:
             lambda: Compiler.compile_jit(s.state_fn(v), jax.random.key(0)),
         )
         self.compiler.submit(("step", v), lambda: Compiler.compile_step(s, v, s.impls))
+        if not v.skip and self.args.touched == "measure":
+            self.compiler.submit(("probe", v.shape_key), lambda: s.compile_probe(v))
 
     def submit_build(self, v: Variant):
         s = self.setup(v.layers)
@@ -548,6 +623,9 @@ class Runner:
         start = time.perf_counter()
         try:
             params, dparams = jax.block_until_ready(entry["compiled"]())
+            if self.args.router == "balanced":
+                params, record = self.setup(layers).balance(params)
+                self.add(record)
         except Exception as error:  # noqa: BLE001 -- e.g. out of memory: the other depth may still run
             self.failed_depths.add(layers)
             self.add({"kind": "error", "layers": layers, "stage": "init", "error": repr(error)[:3000]})
@@ -620,7 +698,16 @@ class Runner:
             return row
         self.states[key] = state
         step_ms = 1e3 * statistics.median(timing["reps"])
-        parts = traffic(s.cfg, s.dcfg, v.method, v.budget, v.C, v.context, dtype=s.dtype)
+        touched = self.touched(v, state) if not v.skip else None
+        if touched is not None:
+            state = touched.pop("state")
+            self.states[key] = state
+            tokens = v.C * (1 + s.step_config(v).tree_size)
+            uniform = experts_touched(tokens, s.cfg.n_routed_experts, s.cfg.num_experts_per_tok, 1)[0]
+            row.update(touched_experts=touched, touched_uniform=uniform)
+            self.touched_seen[v.shape_key] = (touched["mean"], touched["busiest_shard"])
+        measured = (touched["mean"], touched["busiest_shard"]) if touched else self.touched_seen.get(v.shape_key)
+        parts = traffic(s.cfg, s.dcfg, v.method, v.budget, v.C, v.context, dtype=s.dtype, touched=measured, skip=v.skip)
         fl = floor_ms(parts, self.ceil["copy_TBps"], self.ceil["matmul_bf16_TFLOPs"])
         row.update(
             steps_per_rep=timing["steps"],
@@ -670,6 +757,21 @@ class Runner:
         state = carry[0]
         accept = np.asarray(state.accept_lens)[:steps]
         return {"reps": reps, "steps": steps, "first_call_s": first, "accept": accept}, state
+
+    def touched(self, v: Variant, state):
+        """Experts each MoE layer of two probe steps of v touched (routing.ExpertProbe) and the state after them, or
+        None (--touched uniform, or no probe compiled in time: the floor then assumes uniform routing)."""
+        future = self.compiler.futures.get(("probe", v.shape_key))
+        entry = self._wait(future, 30) if future is not None else None
+        if entry is None:
+            return None
+        s = self.setup(v.layers)
+        params, dparams = self.params[1:]
+        s.probe.clear()
+        for _ in range(2):
+            state = entry["compiled"](params, dparams, state)
+        shards = s.mesh.shape[sharding.MODEL] if self.args.expert_mode == "ep" else 1
+        return s.probe.touched(shards) | {"state": state, "probe_compile_s": round(entry["compile_s"], 1)}
 
     def measure_build(self, v: Variant, reserve: float) -> dict:
         s = self.setup(v.layers)
@@ -1067,6 +1169,18 @@ def parse_args(argv=None):
         "--tau", type=float, default=5.3, help="the chain's E[tau] at b = 8 (synthetic), or the fixed accept length"
     )
     ap.add_argument("--tau-chain", type=float, default=None, help="--acceptance fixed: chain accept length")
+    ap.add_argument(
+        "--router",
+        default="balanced",
+        choices=("balanced", "random"),
+        help="balanced: router bias set by the balancing update over a calibration batch, as trained; random: as drawn",
+    )
+    ap.add_argument(
+        "--touched",
+        default="measure",
+        choices=("measure", "uniform"),
+        help="the routed experts in the bytes floor: counted from probe steps, or uniform routing's expectation",
+    )
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--methods", nargs="+", default=list(engine.METHODS), choices=engine.METHODS)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 4, 10])

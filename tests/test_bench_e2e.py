@@ -70,10 +70,26 @@ def test_cpu_mesh8_ddtree_equals_ar_and_measures(cpu_record, bench):
     assert step["step_ms"] > 0 and 1 <= step["tau_realised"] <= 8
     assert step["pct_of_floor"] == pytest.approx(100 * step["floor_ms"] / step["step_ms"])
     assert step["tok_s"] == pytest.approx(step["tau"] * step["C"] / step["step_ms"] * 1e3)
+    router = next(r for r in record["rows"] if r["kind"] == "router")
+    assert router["imbalance_balanced"] < router["imbalance_random"]  # the bias balancing evens the loads
+    E = 16  # the tiny preset's routed experts; the step's 2 x 9 tokens can touch all of them
+    assert 1 <= step["touched_experts"]["mean"] <= E and step["touched_experts"]["calls"] >= 2
+    assert 0 < step["touched_uniform"] <= E
     profile = bench.acceptance_profile(bench.parse_args([]), 1024)  # the tiny preset's vocabulary
     assert step["tau"] == pytest.approx(synthetic.expected_tau(profile, "ddtree", 8))  # the calibrated default
     assert "not meaningful" in record["note"]
     assert {"device", "date", "commit", "command", "rows"} <= set(record)
+
+
+def test_ablation_floors_leave_out_what_they_skip(bench):
+    cfg = preset("k26-depth4")
+    dcfg = bench.kimi_drafter_config(cfg, tiny=False)
+    full = bench.traffic(cfg, dcfg, "ddtree", 32, 8, 8192)
+    for phase, parts in bench.SKIPPED_PARTS.items():
+        ablated = bench.traffic(cfg, dcfg, "ddtree", 32, 8, 8192, skip=(phase,))
+        assert set(full) - set(ablated) == set(parts) and all(ablated[p] == full[p] for p in ablated)
+    measured = bench.traffic(cfg, dcfg, "ddtree", 32, 8, 8192, touched=(100.0, 100.0))
+    assert measured["routed"][0] == pytest.approx(full["routed"][0] * 100 / bench.experts_touched(264, 384, 8, 1)[0])
 
 
 def test_synthetic_acceptance_gives_each_method_the_tau_its_tree_earns(bench):

@@ -1,0 +1,57 @@
+"""k26jax.routing: the expert probe against the router's own top-k, and the bias balancing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import k26jax
+from k26jax import api, ops, routing
+from k26jax.generation import DEFAULT_CKPT
+
+
+def _prefill(model, impls, ids, bias=None):
+    params = model.params
+    if bias is not None:
+        mlp = dict(params["moe"]["mlp"], router_bias=jnp.asarray(bias, params["moe"]["mlp"]["router_bias"].dtype))
+        params = {**params, "moe": {**params["moe"], "mlp": mlp}}
+    lengths = np.full((ids.shape[0],), ids.shape[1], np.int32)
+    return jax.block_until_ready(api._prefill(params, ids, lengths, model.cfg, impls, ()))
+
+
+def test_the_probe_sees_each_moe_layers_top_k_and_nothing_without_it():
+    model = k26jax.load(DEFAULT_CKPT, dtype="float32")
+    cfg, E, k = model.cfg, model.cfg.n_routed_experts, model.cfg.num_experts_per_tok
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 20)).astype(np.int32)
+    n_moe = model.params["moe"]["mlp"]["router_bias"].shape[0]
+    probe = routing.ExpertProbe(E)
+    _prefill(model, ops.Impls(), ids)
+    assert probe.calls == []  # a build without the probe reports nothing
+    _prefill(model, ops.Impls(probe=probe), ids)
+    loads = probe.loads(n_moe)
+    assert loads.shape == (n_moe, E) and (loads.sum(1) == ids.size * k).all()
+    assert all(len(set(row)) == k for _, t in probe.calls for row in t.tolist())  # k distinct experts a token
+    t = probe.touched(shards=4)
+    assert t["calls"] == n_moe and 1 <= t["busiest_shard"] <= E // 4 and t["mean"] <= E
+    # a bias that dwarfs the sigmoid scores decides the choice: every token must be seen at experts 3..3+k-1
+    favoured = np.zeros((n_moe, E), np.float32)
+    favoured[:, 3 : 3 + k] = 10.0
+    probe.clear()
+    _prefill(model, ops.Impls(probe=probe), ids, favoured)
+    loads = probe.loads(n_moe)
+    assert (loads[:, 3 : 3 + k] == ids.size).all() and loads.sum() == n_moe * ids.size * k
+
+
+def test_balancing_the_bias_evens_a_random_routers_loads():
+    model = k26jax.load(DEFAULT_CKPT, dtype="float32")
+    ids = np.random.default_rng(1).integers(0, model.cfg.vocab_size, (4, 64)).astype(np.int32)
+    probe = routing.ExpertProbe(model.cfg.n_routed_experts)
+    bias0 = np.asarray(model.params["moe"]["mlp"]["router_bias"])
+
+    def loads(bias):
+        probe.clear()
+        _prefill(model, ops.Impls(probe=probe), ids, bias)
+        return probe.loads(bias0.shape[0])
+
+    bias, before, after = routing.balance_bias(loads, bias0, iters=20, step=0.03, decay=0.88)
+    assert before > 1.5 and after < 1.25 and after < before
+    assert routing.imbalance(loads(bias)) == after and not np.allclose(bias, bias0)
