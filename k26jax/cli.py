@@ -228,12 +228,17 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     args.debug = args.debug or getattr(args, "debug_here", False)
+    from k26jax.distributed import EXIT_PEER_LOST, PeerLostError  # after --help: it imports jax
+
     try:
         _setup(args)
         return args.run(args)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except PeerLostError as e:  # several processes, one gone: exit now, not after jax's shutdown barrier times out
+        print(f"PeerLostError: {e}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_LOST)
     except USER_ERRORS as e:
         if args.debug or not _raised_by_k26jax(e):
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -11,7 +12,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from k26jax import autobudget, engine
+from k26jax import autobudget, distributed, engine
 from k26jax.api import Model
 
 log = logging.getLogger(__name__)
@@ -132,22 +133,9 @@ def generate(
     else:
         decode = dec.compile("loop" if loop == "while" else "step", model.params, dparams, state)
     t_compiled = time.perf_counter()
-    if loop == "while":
-        state = decode(model.params, dparams, state)
-    else:
-        was_done = None
-        while True:  # one small transfer a step: what the last prefill / step appended, and whether to go on
-            host = jax.device_get({f: getattr(state, f) for f in STREAM_FIELDS + (dec.FIELDS if auto else ())})
-            num_emitted, done = host["num_emitted"], host["done"]
-            if auto and was_done is not None:
-                dec.observe(host, was_done)
-            was_done = done
-            if on_tokens is not None:
-                for i in np.nonzero(num_emitted)[0]:
-                    on_tokens(int(i), host["emitted"][i, : num_emitted[i]].tolist())
-            if done.all() or host["step"] >= engine.max_steps(sc):
-                break
-            state = decode(model.params, dparams, state)
+    lost = distributed.guard("generate", exit=False) if jax.process_count() > 1 else contextlib.nullcontext()
+    with lost:  # several processes: a peer gone mid-decode is a PeerLostError, not a wait for the heartbeat
+        state = _decode(decode, model.params, dparams, state, sc, dec if auto else None, on_tokens, loop)
     out, num_out = np.asarray(state.out), np.asarray(state.num_out)
     t2 = time.perf_counter()
     steps = int(state.step)
@@ -171,3 +159,23 @@ def generate(
             "choices": {autobudget.label(c): n for c, n in zip(policy.candidates, used) if n}
         }
     return Result([out[i, : num_out[i]].tolist() for i in range(len(ids))], stats)
+
+
+def _decode(decode, params, dparams, state, sc, auto, on_tokens, loop: str):
+    """One while_loop program, or Python steps that stream each step's tokens (and feed the budget="auto" policy
+    when `auto` is its AutoDecoder): one small transfer a step, what the last prefill / step appended."""
+    if loop == "while":
+        return decode(params, dparams, state)
+    was_done = None
+    while True:
+        host = jax.device_get({f: getattr(state, f) for f in STREAM_FIELDS + (auto.FIELDS if auto else ())})
+        num_emitted, done = host["num_emitted"], host["done"]
+        if auto and was_done is not None:
+            auto.observe(host, was_done)
+        was_done = done
+        if on_tokens is not None:
+            for i in np.nonzero(num_emitted)[0]:
+                on_tokens(int(i), host["emitted"][i, : num_emitted[i]].tolist())
+        if done.all() or host["step"] >= engine.max_steps(sc):
+            return state
+        state = decode(params, dparams, state)
