@@ -3,8 +3,8 @@ knows the layouts, not the kernels).
 
 Routed experts are split over sharding.MODEL as k26jax.sharding lays them out (`expert_partition_specs`: whole
 experts a device, "ep", or every expert's intermediate dim, "tp"); each shard's fp32 partial output is summed
-over the axis. MLA attention is split over heads; the latent cache, tail and lengths are replicated. A pallas_call
-inside shard_map needs check_vma=False.
+over the axis. MLA attention is split over heads, and its batch (queries, latent cache, tail, lengths) over
+sharding.DATA where the batch divides. A pallas_call inside shard_map needs check_vma=False.
 """
 
 from __future__ import annotations
@@ -57,21 +57,26 @@ def shard_experts(local_moe, mesh: Mesh, *, mode: str = "ep", stacked: bool = Fa
 
 def shard_heads(attention, mesh: Mesh):
     """attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale, layer=None) with heads split over
-    sharding.MODEL; the latent cache (or its layer stack), tail, lengths, visibility and layer are replicated."""
-    heads = P(None, None, sharding.MODEL, None)
+    sharding.MODEL and the batch over sharding.DATA where it divides (each host attends over its own sequences'
+    cache rows: no attention traffic crosses hosts); otherwise the cache, tail, lengths and visibility are
+    replicated. layer is replicated."""
 
     def sharded_attention(q_lat, q_rope, cache, prefix_len, tail, visibility, *, scale: float, layer=None):
         num_shards = mesh.shape[sharding.MODEL]
         if q_lat.ndim != 4 or q_lat.shape[2] % num_shards:
             raise ValueError(f"q_lat heads (shape {q_lat.shape}) must divide over {num_shards} devices")
-        args = (q_lat, q_rope, cache, prefix_len, tail, visibility)
+        rows = mesh.shape.get(sharding.DATA, 1)
+        b = sharding.DATA if rows > 1 and q_lat.shape[0] % rows == 0 else None
+        heads = P(b, None, sharding.MODEL, None)
+        cache_spec = P(None, b) if cache.ndim == 4 else P(b)  # a layer stack [L, C, S, W] or one layer's [C, S, W]
+        specs = [heads, heads, cache_spec, P(b), P(b), P(b)]
+        args = [q_lat, q_rope, cache, prefix_len, tail, visibility]
         if layer is None:
             local = functools.partial(attention, scale=scale)
         else:
-            args += (jnp.asarray(layer, jnp.int32),)
+            args.append(jnp.asarray(layer, jnp.int32))
+            specs.append(P())
             local = lambda *a: attention(*a[:-1], scale=scale, layer=a[-1])
-        return jax.shard_map(
-            local, mesh=mesh, in_specs=(heads, heads) + (P(),) * (len(args) - 2), out_specs=heads, check_vma=False
-        )(*args)
+        return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=heads, check_vma=False)(*args)
 
     return sharded_attention

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import AbstractDevice, AbstractMesh, Mesh, use_abstract_mesh
+from jax.sharding import AbstractDevice, AbstractMesh, Mesh, NamedSharding, PartitionSpec, use_abstract_mesh
 
 from k26jax import ddtree
 from k26jax.ops import tree_mla_attention_sharded
@@ -137,6 +137,24 @@ def test_sharded_heads_equal_unsharded(impl):
     )
     out = jax.jit(functools.partial(sharded, scale=SCALE))(*args)
     assert rel_err(out, tree_mla_attention_reference(*args, scale=SCALE)) < 1e-5
+
+
+@pytest.mark.parametrize("prefix_lens", [[0, 77, 12, 100], [5, 77, 100]], ids=["batch-over-data", "replicated"])
+def test_two_host_layout_splits_the_batch_over_data_where_it_divides(prefix_lens):
+    """A (2, 4) ("data", "model") mesh, the two-host layout: 4 sequences go 2 a host (each host attends over its own
+    cache rows), 3 stay replicated; a layer stack with a traced layer, the Pallas kernel in interpret mode."""
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    q_lat, q_rope, _, prefix_len, tail, vis = make_inputs(11, 3, 8, prefix_lens=prefix_lens, S=100)
+    stack = jnp.asarray(np.random.default_rng(12).standard_normal((2, len(prefix_lens), 100, R + P)), jnp.float32)
+    want = tree_mla_attention_reference(q_lat, q_rope, stack[1], prefix_len, tail, vis, scale=SCALE)
+    split = len(prefix_lens) % 2 == 0
+    if split:  # the cache laid out as k26jax.sharding.cache_partition_spec: batch over "data"
+        stack = jax.device_put(stack, NamedSharding(mesh, PartitionSpec(None, "data")))
+    sharded = tree_mla_attention_sharded(mesh, impl="pallas", interpret=True)
+    run = jax.jit(lambda cache, layer: sharded(q_lat, q_rope, cache, prefix_len, tail, vis, scale=SCALE, layer=layer))
+    assert rel_err(run(stack, jnp.int32(1)), want) < 1e-5
+    if split:  # each host reads its own sequences' rows: nothing gathers the cache
+        assert "all-gather" not in run.lower(stack, jnp.int32(1)).compile().as_text()
 
 
 def test_layer_of_a_cache_stack_equals_that_layers_cache():
