@@ -17,7 +17,11 @@ acceptance is k26jax.synthetic's calibrated drafter (the chain's E[tau] = --tau 
 own tree's), so scheduling costs show at real shapes; --budget auto serves and bare-loops the auto choice (its
 bare loop reads each step's survival to the host, as the server does).
 
-GPU (the server and the clients on one machine):
+GPU (the server and the clients on one machine). The device has no package registry: `bash scripts/device_wheels.sh`
+here puts the server's and the client's wheels in .whl (6.5 MB); carry .whl and begin the device command with
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+then:
   python scripts/bench_serve.py --launch --bare --label mini_ddtree -- --ckpt checkpoints/mini --method ddtree
   python scripts/bench_serve.py --synthetic --layers 8 --tau 5.3 --bare --label k26d8_ddtree
   python scripts/bench_serve.py --url http://127.0.0.1:8000 --label live   # a server already running
