@@ -306,8 +306,8 @@ def test_two_processes_generate_the_single_process_tokens(tmp_path):
 
 def test_a_two_process_server_answers_from_process_0_as_one_process_would(tmp_path):
     """(slow: two processes) `k26jax serve` under K26JAX_* on two processes: process 0 serves HTTP and leads, process
-    1 follows its calls (budget="auto", so the step choice must reach it too). A completion through the openai
-    client equals the 1-process x 8-device greedy tokens; SIGTERM stops process 0, which stops its follower."""
+    1 follows its calls. A completion through the openai client equals the 1-process x 8-device greedy tokens;
+    SIGTERM stops process 0, which stops its follower. (The auto budget's calls: test_serve_multihost.py.)"""
     import openai
 
     import k26jax
@@ -318,7 +318,7 @@ def test_a_two_process_server_answers_from_process_0_as_one_process_would(tmp_pa
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     serve = ["-m", "k26jax", "serve", "--ckpt", os.path.join(ROOT, "checkpoints", "tiny"), "--dtype", "float32"]
-    serve += ["--port", str(port), "--budget", "auto", "--max-batch", "2", "--max-len", "32", "--log-level", "warning"]
+    serve += ["--port", str(port), "--budget", "8", "--max-batch", "2", "--max-len", "32", "--log-level", "warning"]
     procs = _launch("serve", str(tmp_path), command=serve)
     model = k26jax.load(os.path.join(ROOT, "checkpoints", "tiny"), mesh=sharding.make_mesh(8), dtype="float32")
     want = k26jax.generate(model, GEN_PROMPTS[:2], max_new_tokens=12, budget=8).tokens

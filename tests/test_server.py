@@ -1,8 +1,8 @@
 """`k26jax serve` as a client sees it: a real server process on 127.0.0.1 and the official openai client.
 
-One server (tiny checkpoint, float32, DDTree with --budget auto, 4 slots, sharded over the 8 emulated devices)
-serves most tests; a second one (AR, one device), started at the same time, holds the fault-injection seam and is
-stopped by SIGTERM. Greedy outputs are checked against
+One server (tiny checkpoint, float32, DDTree with --budget auto, 4 slots) serves most tests; a second one (AR),
+started at the same time, holds the fault-injection seam and is stopped by SIGTERM. Both run on one device (the
+sharded server is tests/test_distributed.py's, on a (2, 4) mesh of two processes). Greedy outputs are checked against
 `k26jax.generate` under DESIGN's near-tie rule (compared up to the first position whose float32 top-1/top-2 margin
 is < 1e-4).
 """
@@ -30,7 +30,7 @@ from k26jax.tokenizer import StreamDecoder
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.path.join(ROOT, "checkpoints", "tiny")
 KEY = "sk-test-key"
-MAIN = ["--method", "ddtree", "--budget", "auto", "--max-batch", "4", "--max-len", "128", "--max-queue", "12"]
+MAIN = ["--devices", "1", "--method", "ddtree", "--budget", "auto", "--max-batch", "4", "--max-len", "128", "--max-queue", "12"]
 NEW = 16
 LONG = 100
 rng = np.random.default_rng(0)
