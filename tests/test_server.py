@@ -30,7 +30,20 @@ from k26jax.tokenizer import StreamDecoder
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.path.join(ROOT, "checkpoints", "tiny")
 KEY = "sk-test-key"
-MAIN = ["--devices", "1", "--method", "ddtree", "--budget", "auto", "--max-batch", "4", "--max-len", "128", "--max-queue", "12"]
+MAIN = [
+    "--devices",
+    "1",
+    "--method",
+    "ddtree",
+    "--budget",
+    "auto",
+    "--max-batch",
+    "4",
+    "--max-len",
+    "128",
+    "--max-queue",
+    "12",
+]
 NEW = 16
 LONG = 100
 rng = np.random.default_rng(0)
