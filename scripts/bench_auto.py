@@ -72,15 +72,7 @@ class Cell:
         return self.states.pop(kind), kind
 
     def reset(self, state):
-        put = lambda x: jax.device_put(x, self.s.replicated)
-        lengths = np.full((self.C,), self.context, np.int32)
-        return state.replace(
-            cache=state.cache.replace(lengths=put(lengths)),
-            ctx_len=put(lengths),
-            num_out=put(np.zeros((self.C,), np.int32)),
-            done=put(np.zeros((self.C,), bool)),
-            step=put(np.int32(0)),
-        )
+        return bench_e2e.reset_state(state, C=self.C, context=self.context, sharding=self.s.replicated)
 
     def measure(self, name, method, step, args, fields=FETCH, after=None, before=None, estimates=0) -> dict:
         state, kind = self.state(method, estimates)

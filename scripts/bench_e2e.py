@@ -328,6 +328,19 @@ def synthetic_state(key, *, cfg, dcfg, sc: engine.StepConfig, C: int, S: int, co
     )
 
 
+def reset_state(state, *, C: int, context: int, sharding):
+    """The state back at `context` tokens, every slot active, step 0 (what a timed repeat starts from)."""
+    put = lambda x: jax.device_put(x, sharding)
+    lengths = np.full((C,), context, np.int32)
+    return state.replace(
+        cache=state.cache.replace(lengths=put(lengths)),
+        ctx_len=put(lengths),
+        num_out=put(np.zeros((C,), np.int32)),
+        done=put(np.zeros((C,), bool)),
+        step=put(np.int32(0)),
+    )
+
+
 def draw_accept_lengths(key, C: int, depth: int, tau: float):
     """Accept lengths in [1, depth + 1] with mean tau: 1 + Binomial(depth, (tau - 1) / depth)."""
     return 1 + (jax.random.uniform(key, (C, depth)) < (tau - 1) / depth).sum(-1).astype(jnp.int32)
@@ -727,19 +740,7 @@ class Runner:
     def _time(self, compiled, params, dparams, state, v: Variant, s: Setup):
         """One call of --steps steps (warm-up), then --repeats more; seconds per step."""
 
-        def put(x):
-            return jax.device_put(x, s.replicated)
-
-        def reset(st):
-            lengths = np.full((v.C,), v.context, np.int32)
-            return st.replace(
-                cache=st.cache.replace(lengths=put(lengths)),
-                ctx_len=put(lengths),
-                num_out=put(np.zeros((v.C,), np.int32)),
-                done=put(np.zeros((v.C,), bool)),
-                step=put(np.int32(0)),
-            )
-
+        reset = functools.partial(reset_state, C=v.C, context=v.context, sharding=s.replicated)
         steps = self.args.steps
         start = time.perf_counter()
         state = jax.block_until_ready(compiled(params, dparams, reset(state)))
