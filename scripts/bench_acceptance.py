@@ -2,7 +2,8 @@
 
 Prompts: the first --prompt-tokens ids of the first --prompts held-out corpus files that have that many
 (`k26jax.train.corpus.heldout_prompts`; the record says how many qualify), decoded in batches of --batch.
-For each temperature: AR (tau 1 by construction, the baseline), chain (depth block-1) and DDTree at each budget.
+For each temperature: AR (tau 1 by construction, the baseline), chain (depth block-1), DDTree at each budget, and
+budget="auto" (k26jax.autobudget: each step's candidate chosen by expected tokens a second; --no-auto drops it).
 Per run it records, from `Result.stats["accept_lens"]` (tokens emitted per target pass, active steps only):
   tau                     mean accept length over all steps of all prompts (= generate's own tau)
   accept_hist             steps with accept length 1 .. depth+1
@@ -15,6 +16,8 @@ Per run it records, from `Result.stats["accept_lens"]` (tokens emitted per targe
 --speed (GPU): tokens/s of AR, chain and DDTree (--speed-budgets) at --concurrency C = 1, 4, 8 with the real
 acceptance, at T = 0: medians over --repeats decodes after a warm-up (compile excluded; decode only, the
 prefill's seconds recorded beside), step time = decode seconds / steps, speed-up over AR measured in the same run.
+The fixed methods decode in one lax.while_loop; auto needs the host between steps, so it runs the Python loop
+(each row says which): auto over the best fixed budget is its end-to-end gain with its host cost included.
 Both parts live in one JSON file (--out) as the sections "acceptance" and "speed"; a run replaces its own section.
 Results are written after every configuration; --resume continues a section whose settings match.
 
@@ -112,23 +115,26 @@ def decode(model, prompts: np.ndarray, *, method, budget, temperature, new_token
     return tokens, lens, stats
 
 
-def run_specs(budgets, temperatures, chain_budget: int):
-    """(method, budget, temperature) in run order: per temperature AR first (the greedy check needs it)."""
-    return [
-        (m, b, t)
-        for t in temperatures
-        for m, b in [("ar", 0), ("chain", chain_budget)] + [("ddtree", b) for b in budgets]
-    ]
+def run_specs(budgets, temperatures, chain_budget: int, auto: bool = True):
+    """(method, budget, temperature) in run order: per temperature AR first (the greedy check needs it); budget
+    "auto" last."""
+    fixed = [("ar", 0), ("chain", chain_budget)] + [("ddtree", b) for b in budgets]
+    return [(m, b, t) for t in temperatures for m, b in fixed + ([("ddtree", "auto")] if auto else [])]
+
+
+def budget_arg(budget):
+    """generate's budget for a row's: "auto" as is, AR's 0 as 1 (unused)."""
+    return budget if budget == "auto" else max(budget, 1)
 
 
 def measure_run(model, prompts, spec, args, ar_greedy) -> tuple[dict, list]:
     method, budget, temperature = spec
     t0 = time.time()
-    tokens, lens, _ = decode(
+    tokens, lens, stats = decode(
         model,
         prompts,
         method=method,
-        budget=max(budget, 1),
+        budget=budget_arg(budget),
         temperature=temperature,
         new_tokens=args.new_tokens,
         batch=args.batch,
@@ -158,6 +164,8 @@ def measure_run(model, prompts, spec, args, ar_greedy) -> tuple[dict, list]:
             "first_divergence": div,
             "ar_margin_at_divergence": margins,
         }
+    if budget == "auto":
+        row["auto"] = stats["auto"]  # the last batch's choices, measured step times and calibration
     row["seconds"] = round(time.time() - t0, 1)
     return row, tokens
 
@@ -241,13 +249,14 @@ def measure_acceptance(model, prompts, args, prompt_info) -> dict:
         common_settings(model, args, prompt_info),
         batch=args.batch,
         budgets=args.budgets,
+        auto=not args.no_auto,
         temperatures=args.temperatures,
         loop_threshold=args.loop_threshold,
         ngram=NGRAM,
     )
     section = open_section(args, "acceptance", settings)
     done = {(r["method"], r["budget"], r["temperature"]) for r in section["rows"]}
-    specs = run_specs(args.budgets, args.temperatures, depth_of(model, "chain"))
+    specs = run_specs(args.budgets, args.temperatures, depth_of(model, "chain"), not args.no_auto)
     need_ar0 = any(s not in done and s[2] == 0 and s[0] != "ar" for s in specs)
     ar_greedy = None
     for spec in specs:
@@ -280,13 +289,15 @@ def measure_speed(model, prompts, args, prompt_info) -> dict:
         common_settings(model, args, prompt_info),
         concurrency=args.concurrency,
         budgets=args.speed_budgets,
+        auto=not args.no_auto,
         temperature=0.0,
         repeats=args.repeats,
-        loop="while",
+        loop="while (auto: python)",
     )
     section = open_section(args, "speed", settings)
     chain = depth_of(model, "chain")
     methods = [("ar", 0), ("chain", chain)] + [("ddtree", b) for b in args.speed_budgets]
+    methods += [] if args.no_auto else [("ddtree", "auto")]
     for C in args.concurrency:
         if C > len(prompts):
             sys.exit(f"error: --concurrency {C} needs at least {C} prompts, have {len(prompts)}")
@@ -313,17 +324,19 @@ def speed_row(model, prompts, C, method, budget, args, rows) -> dict:
     """Medians over --repeats decodes of the C prompts (after one warm-up decode that compiles); the speed-up is
     over the AR row of the same C in `rows` (this run's, measured first)."""
 
+    loop = "python" if budget == "auto" else "while"
+
     def once():
         return decode(
             model,
             prompts,
             method=method,
-            budget=max(budget, 1),
+            budget=budget_arg(budget),
             temperature=0.0,
             new_tokens=args.new_tokens,
             batch=C,
             seed=args.seed,
-            loop="while",
+            loop=loop,
         )
 
     _, _, warm = once()
@@ -334,6 +347,7 @@ def speed_row(model, prompts, C, method, budget, args, rows) -> dict:
         "C": C,
         "method": method,
         "budget": budget,
+        "loop": loop,
         "tau": accept_summary(lens, depth_of(model, method))["tau"],
         "tokens_per_s": statistics.median(s["tokens_per_s"] for s in stats),
         "tokens_per_s_all": [round(s["tokens_per_s"], 2) for s in stats],
@@ -436,6 +450,7 @@ def parse_args(argv=None):
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8], help="--speed: C values")
     parser.add_argument("--speed-budgets", type=int, nargs="+", default=[16, 32, 64], help="--speed: DDTree B")
     parser.add_argument("--repeats", type=int, default=3, help="--speed: timed decodes per configuration")
+    parser.add_argument("--no-auto", action="store_true", help='leave out budget="auto"')
     parser.add_argument("--deadline-min", type=float, default=float("inf"), help="start no configuration after")
     parser.add_argument("--resume", action="store_true", help="keep --out's rows of the same settings, do the rest")
     parser.add_argument("--print", action="store_true", help="print the markdown of --out and exit")
