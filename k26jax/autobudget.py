@@ -44,9 +44,6 @@ class Policy:
     candidates: tuple
     explore_every: int = 32
     refit_every: int = 16
-    seconds: list = dataclasses.field(default=None)  # EMA step time per candidate (None: not timed yet)
-    timed_at: list = dataclasses.field(default=None)  # the step count when each was last timed
-    counts: list = dataclasses.field(default=None)  # steps run per candidate
     gamma: float = 1.0
     steps: int = 0
     predicted: list = dataclasses.field(default_factory=list)
@@ -54,9 +51,9 @@ class Policy:
 
     def __post_init__(self):
         n = len(self.candidates)
-        self.seconds = self.seconds or [None] * n
-        self.timed_at = self.timed_at or [-1] * n
-        self.counts = self.counts or [0] * n
+        self.seconds = [None] * n  # EMA step time per candidate (None: not timed yet)
+        self.timed_at = [-1] * n  # the step count when each was last timed
+        self.counts = [0] * n  # steps run per candidate
 
     def taus(self, survival_CnBL) -> np.ndarray:
         """Calibrated E[tau] [C, nB] from the step's survival."""

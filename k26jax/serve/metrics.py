@@ -6,6 +6,7 @@ those of the programs the scheduler knows about (one listener for the process, f
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import prometheus_client as prom
@@ -112,7 +113,6 @@ class Metrics:
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
-_LISTENING = []
 
 
 def _on_event(event: str, duration: float, **_):
@@ -121,8 +121,7 @@ def _on_event(event: str, duration: float, **_):
             m.compiled_one()
 
 
+@functools.cache
 def _listen():
     """Register the process's one compile listener (jax keeps listeners for the life of the process)."""
-    if not _LISTENING:
-        monitoring.register_event_duration_secs_listener(_on_event)
-        _LISTENING.append(True)
+    monitoring.register_event_duration_secs_listener(_on_event)
