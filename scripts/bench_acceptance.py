@@ -30,6 +30,7 @@ Print the markdown of a record:  python scripts/bench_acceptance.py --print [--o
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -170,10 +171,17 @@ def measure_run(model, prompts, spec, args, ar_greedy) -> tuple[dict, list]:
     return row, tokens
 
 
+@functools.cache
+def float32_model(path: str):
+    return k26jax.load(path, dtype="float32")
+
+
 def ar_margin(model, prompt, ar_tokens, i: int) -> float:
-    """The target's float32 top-1 minus top-2 logit where AR emitted its token i (a near-tie explains a greedy
-    divergence: bf16 verify and AR may round the two apart)."""
-    logits = np.asarray(model.logits(np.array([list(prompt) + list(ar_tokens)])))[0, len(prompt) - 1 + i]
+    """The target's top-1 minus top-2 logit in float32 (the model reloaded so: a bf16 forward's own rounding
+    would blur the margin) where AR emitted its token i. A near-tie explains a greedy divergence: bf16 verify and
+    AR may round the two apart."""
+    exact = float32_model(model.path) if model.dtype != np.float32 else model
+    logits = np.asarray(exact.logits(np.array([list(prompt) + list(ar_tokens)])))[0, len(prompt) - 1 + i]
     top2 = np.sort(logits)[-2:]
     return float(top2[1] - top2[0])
 
@@ -241,6 +249,7 @@ def common_settings(model, args, prompt_info) -> dict:
         "prompts": prompt_info,
         "new_tokens": args.new_tokens,
         "seed": args.seed,
+        "dtype": args.dtype,
     }
 
 
@@ -451,6 +460,7 @@ def parse_args(argv=None):
     parser.add_argument("--speed-budgets", type=int, nargs="+", default=[16, 32, 64], help="--speed: DDTree B")
     parser.add_argument("--repeats", type=int, default=3, help="--speed: timed decodes per configuration")
     parser.add_argument("--no-auto", action="store_true", help='leave out budget="auto"')
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the model's dtype")
     parser.add_argument("--deadline-min", type=float, default=float("inf"), help="start no configuration after")
     parser.add_argument("--resume", action="store_true", help="keep --out's rows of the same settings, do the rest")
     parser.add_argument("--print", action="store_true", help="print the markdown of --out and exit")
@@ -471,7 +481,7 @@ def main(argv=None) -> None:
         return
     if not os.path.isdir(os.path.join(args.ckpt, "drafter")):
         sys.exit(f"error: {args.ckpt} is not a checkpoint with a drafter/ (train it: scripts/train_mini.py)")
-    model = k26jax.load(args.ckpt)
+    model = k26jax.load(args.ckpt, dtype=args.dtype)
     prompts, info = load_prompts(model, args)
     if not len(prompts):
         sys.exit(f"error: no held-out file has {args.prompt_tokens} tokens")
