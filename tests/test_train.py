@@ -291,6 +291,25 @@ def test_save_tree_chunks_and_round_trips(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, back, jax.tree.map(np.asarray, tree))
 
 
+def test_sample_prompts_mixes_file_starts_and_windows_inside_one_file():
+    from k26jax.train import stages_drafter as sd
+
+    eos = 99
+    docs = [np.arange(100, 100 + n, dtype=np.int32) for n in (5, 40, 70)]  # ids tell the file and the offset
+    tokens = np.concatenate([x for d in docs for x in (d, [eos])])
+    starts, lengths = sd.doc_starts(tokens, eos)
+    assert starts.tolist() == [0, 6, 47] and lengths.tolist() == [5, 40, 70]
+    prompts = sd.sample_prompts(tokens, 400, min_len=8, max_len=30, file_start_frac=0.5, eos=eos, seed=0)
+    assert {len(p) for p in prompts} == set(range(8, 31))
+    assert all(eos not in p and np.all(np.diff(p) == 1) for p in prompts)  # one file, consecutive
+    first = np.mean([p[0] == 100 for p in prompts])  # a file's first token (the 5-token file is too short)
+    assert 0.4 < first < 0.65, first
+    again = sd.sample_prompts(tokens, 400, min_len=8, max_len=30, file_start_frac=0.5, eos=eos, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(prompts, again))
+    with pytest.raises(ValueError, match="no file holds more than"):
+        sd.sample_prompts(tokens, 1, min_len=70, max_len=70, file_start_frac=1.0, eos=eos, seed=0)
+
+
 # ---- the driver ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def driver():

@@ -47,9 +47,11 @@ class Settings:
     qat_lr: float = 2e-4
     force_qat: bool = False
     # data
-    prompt_len: int = 64
-    new_tokens: int = 192
-    train_prompts: int = 4096  # per temperature
+    prompt_len: int = 256  # the longest prompt; lengths are uniform in [min_prompt_len, prompt_len]
+    min_prompt_len: int = 32
+    file_start_frac: float = 0.5  # prompts that are a file's first tokens; the rest are windows inside a file
+    new_tokens: int = 128
+    train_prompts: int = 12288  # per temperature
     heldout_data_prompts: int = 256  # per temperature, from held-out files (held-out tau)
     gen_batch: int = 4096
     # drafter
@@ -57,8 +59,8 @@ class Settings:
     anchors: int = 64
     gamma: float = 4.0
     d_lr: float = 6e-4
-    d_max_steps: int = 2400
-    d_eval_every: int = 200
+    d_max_steps: int = 6000
+    d_eval_every: int = 400
     patience: int = 3
     min_delta: float = 0.01
     # eval
@@ -79,6 +81,7 @@ SMOKE = Settings(
     qat_steps=2,
     force_qat=True,
     prompt_len=16,
+    min_prompt_len=8,
     new_tokens=24,
     train_prompts=16,
     heldout_data_prompts=16,  # = train_prompts: the held-out generation reuses the compiled programs

@@ -1,7 +1,9 @@
 """The recipe's drafter stages: the INT4 target's own continuations as data, then DFlash training on them.
 
 - `data`: continuations of prompts from the training and held-out files, at T=0 and T=1 (engine AR decoding of
-  the quantized target, the model the drafter will serve) -> DIR/data/{train,heldout}.
+  the quantized target, the model the drafter will serve) -> DIR/data/{train,heldout}/T<t>_<j>. Half the prompts
+  are a file's first tokens, like the evaluation's; the first pair's random windows alone left file starts at
+  chain tau 1.9 against 2.8 on windows.
 - `drafter`: DFlash training on that data, evaluated on the held-out data every d_eval_every steps; stops when
   held-out tau has not risen by min_delta for `patience` evaluations and keeps the best -> DIR/drafter/params.
 """
@@ -20,7 +22,7 @@ import k26jax
 from k26jax.api import Model
 from k26jax.train import dflash, loop
 from k26jax.train import target as tt
-from k26jax.train.rundir import Run, stop_if_cut_short
+from k26jax.train.rundir import CutShort, Run, stop_if_cut_short
 
 TEMPERATURES = (0.0, 1.0)
 
@@ -35,84 +37,115 @@ def repetition_rate(rows, n: int = 4) -> float:
     return 1.0 - distinct / max(total, 1)
 
 
-def sample_prompts(tokens: np.ndarray, n: int, length: int, eos: int, seed: int) -> np.ndarray:
-    """n windows of `length` tokens at random starts that hold no [EOS] (prompts from inside one file)."""
+def doc_starts(tokens: np.ndarray, eos: int) -> tuple[np.ndarray, np.ndarray]:
+    """(start [F], length [F]) of every document in an [EOS]-separated token array."""
+    ends = np.flatnonzero(tokens == eos)
+    starts = np.concatenate([[0], ends[:-1] + 1]) if len(ends) else np.zeros(0, np.int64)
+    return starts, ends - starts
+
+
+def sample_prompts(
+    tokens: np.ndarray, n: int, *, min_len: int, max_len: int, file_start_frac: float, eos: int, seed: int
+):
+    """n prompts (int32 arrays) of lengths uniform in [min_len, max_len]: a `file_start_frac` share are a file's
+    first tokens (the shape of the evaluation's prompts), the rest windows at random starts inside one file."""
     rng = np.random.default_rng(seed)
+    starts, lengths = doc_starts(tokens, eos)
+    sizes = rng.integers(min_len, max_len + 1, size=n)
+    from_start = rng.random(n) < file_start_frac
     out = []
-    while len(out) < n:
-        starts = rng.integers(0, len(tokens) - length, size=4 * n)
-        for st in starts:
-            w = tokens[st : st + length]
-            if eos not in w and len(out) < n:
-                out.append(w)
-    return np.stack(out).astype(np.int32)
+    for size, first in zip(sizes, from_start):
+        docs = np.flatnonzero(lengths > size)
+        if len(docs) == 0:
+            raise ValueError(f"no file holds more than {size} tokens: lower prompt_len")
+        d = rng.choice(docs)
+        offset = 0 if first else rng.integers(0, lengths[d] - size)
+        out.append(np.asarray(tokens[starts[d] + offset : starts[d] + offset + size], np.int32))
+    return out
 
 
-def continuations(run: Run, model: Model, prompts: np.ndarray, temperature: float, seed: int) -> dict:
-    """The target's own continuations of `prompts` (engine AR, batches of gen_batch): ids [N, P+new] (padded
-    with the pad id), lengths [N], supervised_from [N] (= P)."""
-    s, (N, P) = run.s, prompts.shape
-    ids = np.full((N, P + s.new_tokens), run.cfg.pad_token_id, np.int32)
-    ids[:, :P] = prompts
-    lengths = np.zeros(N, np.int32)
-    for start in range(0, N, s.gen_batch):
-        rows = prompts[start : start + s.gen_batch]
-        t0 = time.time()
-        res = k26jax.generate(
-            model,
-            rows.tolist(),
-            max_new_tokens=s.new_tokens,
-            method="ar",
-            temperature=temperature,
-            seed=seed + start,
-            loop="while",
-        )
-        for i, toks in enumerate(res.tokens):
-            toks = toks[: s.new_tokens]
-            ids[start + i, P : P + len(toks)] = toks
-            lengths[start + i] = P + len(toks)
-        done = start + len(rows)
-        print(f"[data] T={temperature}: {done}/{N} prompts, {time.time() - t0:.1f}s this batch", flush=True)
-    return {"ids": ids, "lengths": lengths, "supervised_from": np.full(N, P, np.int32)}
+def continuations(run: Run, model: Model, prompts: list, temperature: float, seed: int) -> dict:
+    """The target's own continuations of `prompts` (engine AR, one batch): ids [N, prompt_len + new_tokens]
+    (prompt, continuation, then the pad id), lengths [N], supervised_from [N] (each prompt's length)."""
+    s, N = run.s, len(prompts)
+    ids = np.full((N, s.prompt_len + s.new_tokens), run.cfg.pad_token_id, np.int32)
+    lengths, sup = np.zeros(N, np.int32), np.array([len(p) for p in prompts], np.int32)
+    res = k26jax.generate(
+        model,
+        [p.tolist() for p in prompts],
+        max_new_tokens=s.new_tokens,
+        method="ar",
+        temperature=temperature,
+        seed=seed,
+        loop="while",
+    )
+    for i, (p, toks) in enumerate(zip(prompts, res.tokens)):
+        row = np.concatenate([p, np.asarray(toks[: s.new_tokens], np.int32)])
+        ids[i, : len(row)] = row
+        lengths[i] = len(row)
+    return {"ids": ids, "lengths": lengths, "supervised_from": sup}
+
+
+def _parts(run: Run, split: str) -> list[str]:
+    n = run.s.train_prompts if split == "train" else run.s.heldout_data_prompts
+    batches = -(-n // run.s.gen_batch)
+    return [run.path("data", split, f"T{t:g}_{j:03d}") for t in TEMPERATURES for j in range(batches)]
 
 
 def stage_data(run: Run) -> None:
+    """Generate every part DIR/data/<split>/T<t>_<j> not yet written (one gen_batch of prompts each), so a
+    killed or time-cut run resumes at the next part; then summarise."""
     run.need("quantize")
     t0, s = time.time(), run.s
     params = jax.tree.map(jnp.asarray, run.quant_params())
     model = Model(cfg=run.cfg, params=params, impls=run.impls())
     eos = run.cfg.eos_token_ids[0]
-    summary = {}
+    done_parts = 0
     for split, n, seed in (("train", s.train_prompts, run.seed + 2), ("heldout", s.heldout_data_prompts, run.seed + 3)):
         tokens = np.load(run.path("tokens", f"{split}.npy"))
-        prompts = sample_prompts(tokens, 2 * n, s.prompt_len, eos, seed)
-        parts = [
-            continuations(run, model, prompts[i * n : (i + 1) * n], t, seed + 10 * i)
-            for i, t in enumerate(TEMPERATURES)
-        ]
-        data = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        data["temperature"] = np.repeat(np.array(TEMPERATURES, np.float32), n)
-        loop.save_tree(run.path("data", split), data)
-        for i, t in enumerate(TEMPERATURES):
-            rows = [r[s.prompt_len : L] for r, L in zip(parts[i]["ids"], parts[i]["lengths"])]
+        kw = dict(min_len=s.min_prompt_len, max_len=s.prompt_len, file_start_frac=s.file_start_frac, eos=eos)
+        prompts = sample_prompts(tokens, 2 * n, seed=seed, **kw)
+        for k, part in enumerate(_parts(run, split)):
+            if os.path.isdir(part):
+                continue
+            if time.time() - t0 > run.max_seconds:
+                raise CutShort("data", done_parts)
+            i, j = divmod(k, len(_parts(run, split)) // len(TEMPERATURES))
+            rows = prompts[i * n + j * s.gen_batch : i * n + min((j + 1) * s.gen_batch, n)]
+            t1 = time.time()
+            data = continuations(run, model, rows, TEMPERATURES[i], seed + 10 * i + 1000 * j)
+            os.makedirs(os.path.dirname(part), exist_ok=True)
+            loop.save_tree(part, data, meta={"sequences": len(rows)})
+            done_parts += 1
+            print(f"[data] {split} T={TEMPERATURES[i]:g}: {len(rows)} prompts in {time.time() - t1:.1f}s", flush=True)
+    summary = {}
+    for split in ("train", "heldout"):
+        data = load_data(run, split)
+        for t in TEMPERATURES:
+            sel = data["temperature"] == t
+            rows = [r[f:L] for r, f, L in zip(data["ids"][sel], data["supervised_from"][sel], data["lengths"][sel])]
             summary[f"{split}_T{t:g}_repetition"] = round(repetition_rate(rows), 4)
         summary[f"{split}_sequences"] = int(len(data["ids"]))
         summary[f"{split}_new_tokens"] = int((data["lengths"] - data["supervised_from"]).sum())
+        summary[f"{split}_prompt_tokens_mean"] = round(float(data["supervised_from"].mean()), 1)
     run.mark_done("data", summary, t0)
 
 
 def load_data(run: Run, split: str) -> dict:
-    """DIR/data/<split>: ids, lengths, supervised_from and temperature of every sequence."""
-    n = 2 * (run.s.train_prompts if split == "train" else run.s.heldout_data_prompts)
+    """DIR/data/<split>: ids, lengths, supervised_from and temperature of every sequence, over its parts."""
     T = run.s.prompt_len + run.s.new_tokens
-    like = {
-        "ids": jax.ShapeDtypeStruct((n, T), jnp.int32),
-        "lengths": jax.ShapeDtypeStruct((n,), jnp.int32),
-        "supervised_from": jax.ShapeDtypeStruct((n,), jnp.int32),
-        "temperature": jax.ShapeDtypeStruct((n,), jnp.float32),
-    }
-    tree, _ = loop.load_tree(run.path("data", split), like)
-    return tree
+    out = []
+    for part in _parts(run, split):
+        n = loop.read_meta(part)["sequences"]
+        like = {
+            "ids": jax.ShapeDtypeStruct((n, T), jnp.int32),
+            "lengths": jax.ShapeDtypeStruct((n,), jnp.int32),
+            "supervised_from": jax.ShapeDtypeStruct((n,), jnp.int32),
+        }
+        tree, _ = loop.load_tree(part, like)
+        tree["temperature"] = np.full(n, float(os.path.basename(part)[1:].split("_")[0]), np.float32)
+        out.append(tree)
+    return {k: np.concatenate([t[k] for t in out]) for k in out[0]}
 
 
 def _batch(data: dict, idx) -> dict:
