@@ -52,7 +52,10 @@ def main(argv=None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change one setting")
     parser.add_argument("--impl", choices=("auto", "reference"), default="auto", help="engine kernels for decoding")
     parser.add_argument(
-        "--max-minutes", type=float, default=8.0, help="a training stage saves and stops after this long (default 8)"
+        "--max-minutes",
+        type=float,
+        default=8.0,
+        help="the stages of this invocation save and stop after this long in all (default 8)",
     )
     parser.add_argument("--any-python", action="store_true", help="accept a stdlib that differs from data/'s list")
     args = parser.parse_args(argv)

@@ -121,8 +121,13 @@ class Run:
     seed: int
     s: Settings
     impl: str  # engine kernels for decoding: "auto" or "reference"
-    max_seconds: float  # a training stage saves and ends early past this (one device command is 10 minutes)
+    deadline: float  # time.time() past which a stage saves and ends early (one device command is 10 minutes)
     any_python: bool = False  # accept a stdlib that differs from data/'s file list
+
+    @property
+    def max_seconds(self) -> float:
+        """Seconds left to this invocation: every stage after the first gets what the earlier ones left."""
+        return max(self.deadline - time.time(), 0.0)
 
     def path(self, *parts) -> str:
         return os.path.join(self.dir, *parts)
@@ -264,4 +269,4 @@ def open_run(
     if not os.path.isfile(run_json):
         record.update(created=time.strftime("%Y-%m-%d %H:%M:%S"), python_version=platform.python_version())
         write_json(run_json, record)
-    return Run(out, seed, settings, impl, 60 * max_minutes, any_python)
+    return Run(out, seed, settings, impl, time.time() + 60 * max_minutes, any_python)
