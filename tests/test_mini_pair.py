@@ -27,7 +27,6 @@ FIXTURE = os.path.join(ROOT, "tests", "fixtures", "mini_heldout_prompts.json")
 NUM_PROMPTS, PROMPT_TOKENS = 8, 128
 NEW = 64
 BUDGET = 32
-NEAR_TIE = 1e-4  # float32 top-1 minus top-2 logit below this: bf16 rounding may flip the argmax
 TAU_MIN = 3.0
 MIN_DISTINCT4 = 0.5  # distinct 4-grams / 4-grams of a continuation; below it the continuation loops
 
@@ -96,19 +95,30 @@ def decode(model, prompts, method):
 
 
 @pytest.fixture(scope="module")
-def ar(model, prompts):
-    """AR greedy tokens, per prompt how many of them a comparison may use (up to the first position where the
-    target's float32 top-1/top-2 logit margin is below NEAR_TIE, or all of them) and the margins."""
+def model32():
+    import k26jax
+
+    return k26jax.load(MINI, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def ar(model, model32, prompts):
+    """bf16 AR greedy tokens; per prompt the float32 top-1 minus top-2 logit margin at each of its tokens; and
+    `noise`: the most that bf16 moved such a gap (bf16 against float32 forward, over every token of every prompt)."""
     tokens = decode(model, prompts, "ar").tokens
-    safe, all_margins = [], []
+    margins, noise = [], 0.0
     for p, t in zip(prompts, tokens):
-        logits = np.asarray(model.logits(np.array([p + t])))[0, len(p) - 1 : -1]
-        top2 = np.sort(logits, -1)[:, -2:]
-        margins = top2[:, 1] - top2[:, 0]
-        ties = np.nonzero(margins < NEAR_TIE)[0]
-        safe.append((int(ties[0]), float(margins[ties[0]])) if ties.size else (len(t), None))
-        all_margins.append(margins)
-    return tokens, safe, all_margins
+        seq = np.array([p + t])
+        l32 = np.asarray(model32.logits(seq))[0, len(p) - 1 : -1]
+        l16 = np.asarray(model.logits(seq))[0, len(p) - 1 : -1]
+        top2 = np.argsort(l32, -1)[:, -2:]
+
+        def gap(x):
+            return np.take_along_axis(x, top2[:, 1:], -1)[:, 0] - np.take_along_axis(x, top2[:, :1], -1)[:, 0]
+
+        margins.append(gap(l32))
+        noise = max(noise, float(np.abs(gap(l16) - gap(l32)).max()))
+    return tokens, margins, noise
 
 
 @pytest.fixture(scope="module")
@@ -121,37 +131,42 @@ def ddtree(model, prompts):
     return decode(model, prompts, "ddtree")
 
 
-def float32_agrees(prompts, method) -> str:
-    """Whether `method` and AR agree with the checkpoint in float32: tells bf16 numerics from a decoding bug."""
-    import k26jax
-
-    m32 = k26jax.load(MINI, dtype="float32")
-    same = decode(m32, prompts, method).tokens == decode(m32, prompts, "ar").tokens
-    return "agree on every prompt" if same else "differ too"
-
-
 # ---- the tests -----------------------------------------------------------------------------------------------
 @needs_mini
 @pytest.mark.parametrize("method", ["chain", "ddtree"])
-def test_greedy_emits_ar_tokens(method, request, ar):
-    """Greedy chain and DDTree (B = 32) in bf16 emit exactly AR's tokens; a documented near-tie (named in a
-    warning) ends the comparison of its prompt, never decides it."""
-    ar_tokens, safe, margins = ar
+def test_float32_greedy_emits_ar_tokens(method, model32, prompts):
+    """In float32, greedy chain and DDTree (B = 32) emit exactly AR's tokens on every prompt: no exception."""
+    want = decode(model32, prompts, "ar").tokens
+    got = decode(model32, prompts, method).tokens
+    bad = [i for i, (a, g) in enumerate(zip(want, got)) if a != g]
+    assert not bad, f"{method} != AR in float32 on prompts {bad}"
+
+
+@needs_mini
+@pytest.mark.parametrize("method", ["chain", "ddtree"])
+def test_bf16_greedy_emits_ar_tokens(method, request, ar):
+    """In bf16, greedy chain and DDTree emit AR's tokens, except after a documented near-tie: a first difference
+    where the float32 margin between the top two tokens is below `noise`, the most that bf16 rounding was measured
+    to move such a gap on these prompts (a verify pass and an AR step round differently, and each path's cache
+    holds its own bf16 rows). Each exception is named in a warning; float32 (the test above) admits none."""
+    ar_tokens, margins, noise = ar
     got = request.getfixturevalue(method).tokens
-    mismatches, ties = [], []
-    for i, (a, g, (n, margin)) in enumerate(zip(ar_tokens, got, safe)):
-        if margin is not None:
-            ties.append(f"prompt {i}: near-tie at token {n} (margin {margin:.1e}), compared its first {n} tokens")
-        if g[:n] != a[:n] or (margin is None and len(g) != len(a)):  # lengths: one stopped at [EOS] early
-            d = next((k for k, (x, y) in enumerate(zip(g[:n], a[:n])) if x != y), min(len(g), n))
-            at = f"margin {margins[i][d]:.1e}" if d < len(margins[i]) else f"{len(g)} vs AR's {len(a)} tokens"
-            mismatches.append(f"prompt {i}: first difference at token {d} of {n} compared ({at})")
+    mismatches, ties, compared = [], [], 0
+    for i, (a, g) in enumerate(zip(ar_tokens, got)):
+        d = next((k for k, (x, y) in enumerate(zip(a, g)) if x != y), None)
+        if d is None and len(a) != len(g):  # one stopped at [EOS] early
+            mismatches.append(f"prompt {i}: {len(g)} tokens against AR's {len(a)}")
+        elif d is None:
+            compared += len(a)
+        elif margins[i][d] < noise:
+            ties.append(f"prompt {i}: token {d} (float32 margin {margins[i][d]:.3f} < bf16 noise {noise:.3f})")
+            compared += d
+        else:
+            mismatches.append(f"prompt {i}: token {d}, float32 margin {margins[i][d]:.3f} >= bf16 noise {noise:.3f}")
     if ties:
-        warnings.warn(f"{method}: {'; '.join(ties)}", stacklevel=1)
-    if mismatches:
-        same = float32_agrees(request.getfixturevalue("prompts"), method)
-        pytest.fail(f"{method} greedy != AR in bf16: {'; '.join(mismatches)} (in float32 they {same})")
-    compared, total = sum(n for n, _ in safe), sum(map(len, ar_tokens))
+        warnings.warn(f"{method} parts from AR in bf16 at near-ties: {'; '.join(ties)}", stacklevel=1)
+    assert not mismatches, f"{method} greedy != AR in bf16: {'; '.join(mismatches)}"
+    total = sum(map(len, ar_tokens))
     assert 2 * compared >= total, f"near-ties cut the comparison to {compared} of {total} tokens: too flat to test"
 
 
