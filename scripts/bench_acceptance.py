@@ -11,6 +11,7 @@ Per run it records, from `Result.stats["accept_lens"]` (tokens emitted per targe
   depth_conditional[d-1]  P(accept length >= d+1 | accept length >= d)
   distinct4               per prompt, distinct 4-grams / 4-grams of its continuation (loops inflate tau);
                           "nonlooping" repeats the statistics over prompts whose ratio is >= --loop-threshold
+  target                  AR rows: the target's mean top-1 probability and entropy at its continuations
   greedy_vs_ar            at T = 0: prompts whose tokens equal AR's exactly, each one's first divergence and
                           the target's float32 top-1/top-2 logit margin there (a near-tie, or a real mismatch)
 --speed (GPU): tokens/s of AR, chain and DDTree (--speed-budgets) at --concurrency C = 1, 4, 8 with the real
@@ -165,10 +166,27 @@ def measure_run(model, prompts, spec, args, ar_greedy) -> tuple[dict, list]:
             "first_divergence": div,
             "ar_margin_at_divergence": margins,
         }
+    if method == "ar":
+        row["target"] = target_confidence(model, prompts, tokens, keep)
     if budget == "auto":
         row["auto"] = stats["auto"]  # the last batch's choices, measured step times and calibration
     row["seconds"] = round(time.time() - t0, 1)
     return row, tokens
+
+
+def target_confidence(model, prompts, tokens, keep) -> dict:
+    """The target's mean top-1 probability and entropy (nats) at the positions of its own continuations, over all
+    prompts and the non-looping ones: how predictable the text a drafter must guess is."""
+    per = []
+    for p, t in zip(prompts, tokens):
+        logits = np.asarray(model.logits(np.array([list(p) + list(t)])))[0, len(p) - 1 : -1].astype(np.float64)
+        logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+        per.append((np.exp(logp.max(-1)), -(np.exp(logp) * logp).sum(-1)))
+    pick = lambda idx: {
+        "top1_prob": round(float(np.concatenate([per[i][0] for i in idx]).mean()), 4) if idx else None,
+        "entropy": round(float(np.concatenate([per[i][1] for i in idx]).mean()), 4) if idx else None,
+    }
+    return dict(pick(list(range(len(per)))), nonlooping=pick(keep))
 
 
 @functools.cache
@@ -419,6 +437,17 @@ def markdown(record: dict) -> str:
             cells.append(f"{g['equal']}/{g['prompts']}" if g else "–")
             cells.append(" ".join(f"{x:.2f}" for x in r0["depth_accept"]) if r0 and r0["depth_accept"] else "–")
             out.append("| " + " | ".join(cells) + " |")
+        conf = [(t, rows[("ar", 0, t)]["target"]) for t in temps if "target" in rows.get(("ar", 0, t), {})]
+        if conf:
+            out += [
+                "",
+                "The target at its own continuations (how predictable the drafter's task is): "
+                + "; ".join(
+                    f"T = {t:g}: mean top-1 probability {c['top1_prob']:.3f}, entropy {c['entropy']:.2f} nats"
+                    for t, c in conf
+                )
+                + ".",
+            ]
     spd = record.get("speed")
     if spd:
         out += [
