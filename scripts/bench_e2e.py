@@ -65,6 +65,7 @@ import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import trace_report  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -735,6 +736,8 @@ class Runner:
             pct_of_roofline=100 * fl["roofline_ms"] / step_ms,
             bytes_by_part={p: b for p, (b, _) in parts.items()},
         )
+        if timing["trace"] is not None:
+            row["trace"] = timing["trace"]
         return row
 
     def _time(self, compiled, params, dparams, state, v: Variant, s: Setup):
@@ -752,12 +755,20 @@ class Runner:
             return carry[0]
 
         reps = harness.time_calls(run, calls=1, per_call=steps, repeats=self.args.repeats, warmup=False)
+        trace = None
         if self.args.profile:  # one more call under the profiler, after the timed ones (named scopes per phase)
-            with jax.profiler.trace(os.path.join(self.args.profile, f"{v.name}_C{v.C}_ctx{v.context}")):
+            where = os.path.join(self.args.profile, f"{v.name}_C{v.C}_ctx{v.context}")
+            with jax.profiler.trace(where):
                 jax.block_until_ready(run(None))
+            with open(os.path.join(where, "program.hlo.txt"), "w") as f:
+                f.write(compiled.as_text())
+            try:
+                trace = trace_report.analyse(where, compiled.as_text(), layers=v.layers * steps)
+            except (OSError, ValueError) as error:  # the timing stands without its breakdown
+                trace = {"error": f"{type(error).__name__}: {error}"}
         state = carry[0]
         accept = np.asarray(state.accept_lens)[:steps]
-        return {"reps": reps, "steps": steps, "first_call_s": first, "accept": accept}, state
+        return {"reps": reps, "steps": steps, "first_call_s": first, "accept": accept, "trace": trace}, state
 
     def touched(self, v: Variant, state):
         """Experts each MoE layer of two probe steps of v touched (routing.ExpertProbe) and the state after them, or

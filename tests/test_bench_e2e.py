@@ -70,6 +70,9 @@ def test_cpu_mesh8_ddtree_equals_ar_and_measures(cpu_record, bench):
     assert step["step_ms"] > 0 and 1 <= step["tau_realised"] <= 8
     assert step["pct_of_floor"] == pytest.approx(100 * step["floor_ms"] / step["step_ms"])
     assert step["tok_s"] == pytest.approx(step["tau"] * step["C"] / step["step_ms"] * 1e3)
+    tr = step["trace"]  # scripts/trace_report.py on the profiled call: the step's phases and the layers' parts
+    assert {"draft", "tree_build", "verify/attention", "verify/moe", "verify/router"} <= set(tr["phases"])
+    assert 0 < tr["busy_ms"] <= tr["span_ms"] and tr["launches"] > 0
     router = next(r for r in record["rows"] if r["kind"] == "router")
     assert router["imbalance_balanced"] < router["imbalance_random"]  # the bias balancing evens the loads
     E = 16  # the tiny preset's routed experts; the step's 2 x 9 tokens can touch all of them

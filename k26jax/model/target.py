@@ -95,10 +95,12 @@ def _moe_ffn(mlp, experts, index, x_BTD, cfg: ModelConfig, impls: ops.Impls):
     """MoE FFN of MoE layer `index`; `experts` holds the whole stacks of the routed-expert weights."""
     B, T, D = x_BTD.shape
     x_ND = x_BTD.reshape(B * T, D)
-    topk_ids, topk_weights = L.route(mlp["router_kernel"], mlp["router_bias"], x_ND, cfg)
+    with jax.named_scope("router"):
+        topk_ids, topk_weights = L.route(mlp["router_kernel"], mlp["router_bias"], x_ND, cfg)
     y = ops.moe_gemm(x_ND, topk_ids, topk_weights, *(experts[k] for k in EXPERT_KEYS), layer=index, impls=impls)
     if "shared" in mlp:
-        y = y + L.swiglu_mlp(mlp["shared"], x_ND[None])[0]
+        with jax.named_scope("shared_expert"):
+            y = y + L.swiglu_mlp(mlp["shared"], x_ND[None])[0]
     return y.reshape(B, T, D)
 
 
@@ -130,14 +132,17 @@ def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden
         def body(carry, xs, kind=kind, experts=experts):
             h, feats = carry
             p = xs["p"]
-            a, rows = attend(p["attn"], L.rms_norm(h, p["input_norm"], cfg.rms_norm_eps), xs["layer"])
+            with jax.named_scope("norm"):
+                x = L.rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
+            a, rows = attend(p["attn"], x, xs["layer"])
             h = h + a
-            x = L.rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
-            h = h + (
-                L.swiglu_mlp(p["mlp"], x)
-                if kind == "dense"
-                else _moe_ffn(p["mlp"], experts, xs["index"], x, cfg, impls)
-            )
+            with jax.named_scope("norm"):
+                x = L.rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
+            if kind == "dense":
+                with jax.named_scope("dense_mlp"):
+                    h = h + L.swiglu_mlp(p["mlp"], x)
+            else:
+                h = h + _moe_ffn(p["mlp"], experts, xs["index"], x, cfg, impls)
             feats = jnp.where((wanted == xs["layer"])[:, None, None, None], h[None], feats)
             return (h, feats), rows
 
@@ -155,8 +160,9 @@ def embed_tokens(params, ids_BT):
 
 
 def lm_logits(params, cfg: ModelConfig, h_BTD):
-    h = L.rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
-    return L.mm("btd,dv->btv", h, params["lm_head"], out_dtype=jnp.float32)
+    with jax.named_scope("lm_head"):
+        h = L.rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
+        return L.mm("btd,dv->btv", h, params["lm_head"], out_dtype=jnp.float32)
 
 
 def forward_prefill(
@@ -202,12 +208,14 @@ def forward_tail(
     rope = L.rope_inv_freq(cfg)
 
     def attend(attn, x, layer):
-        q_lat, q_pe = L.mla_absorbed_queries(attn, x, positions_BT, cfg, rope)
-        rows = L.mla_latent_rows(attn, x, positions_BT, cfg, rope)
+        with jax.named_scope("mla_in"):
+            q_lat, q_pe = L.mla_absorbed_queries(attn, x, positions_BT, cfg, rope)
+            rows = L.mla_latent_rows(attn, x, positions_BT, cfg, rope)
         o_lat = ops.mla_attention(
             q_lat, q_pe, cache, prefix_len_B, rows, visibility_BTT, scale=cfg.softmax_scale, layer=layer, impls=impls
         )
-        return L.mla_absorbed_output(attn, o_lat), rows
+        with jax.named_scope("mla_out"):
+            return L.mla_absorbed_output(attn, o_lat), rows
 
     h, rows, feats = run_layers(params, cfg, embed_tokens(params, ids_BT), attend, impls, hidden_layer_ids)
     return lm_logits(params, cfg, h), rows, feats
