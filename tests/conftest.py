@@ -1,6 +1,8 @@
 """Test harness: 8 emulated CPU devices, set before jax is imported."""
 
+import importlib
 import os
+import sys
 import tempfile
 import warnings
 
@@ -13,3 +15,12 @@ warnings.filterwarnings("ignore", category=DeprecationWarning, message="The Pall
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def import_script(name: str):
+    """scripts/<name>.py as a module, as `python scripts/<name>.py` sees its imports (scripts/ first on sys.path)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)

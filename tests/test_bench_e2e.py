@@ -1,14 +1,13 @@
 """scripts/bench_e2e.py: its CPU mesh mode (DDTree greedy == AR greedy on 8 devices, the measurement path),
 the controlled accept draw, and the floor / projection accounting."""
 
-import importlib
 import json
 import os
-import sys
 
 import jax
 import numpy as np
 import pytest
+from conftest import import_script
 
 from k26jax import synthetic
 from k26jax.config import preset
@@ -19,11 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def bench():
     """The script as `python scripts/bench_e2e.py` sees it: scripts/ first on sys.path (it imports `harness`)."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        return importlib.import_module("bench_e2e")
-    finally:
-        sys.path.pop(0)
+    return import_script("bench_e2e")
 
 
 @pytest.fixture(scope="module")

@@ -1,24 +1,19 @@
 """scripts/trace_report.py on a real CPU trace: kernels charged to the named scopes of their HLO op_name,
 control flow not counted twice, executions cut by the trace's edges left out, and clear errors."""
 
-import importlib
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import import_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def tr():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        return importlib.import_module("trace_report")
-    finally:
-        sys.path.pop(0)
+    return import_script("trace_report")
 
 
 def layer_stack(x, ws):

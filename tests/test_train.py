@@ -2,16 +2,14 @@
 forward against the inference model, INT4 packing against k26jax's layout, the router-bias rule, a few training
 steps of each model, resumable checkpoints and the NaN stop."""
 
-import importlib
 import math
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import import_script
 
 from k26jax import ops, quant
 from k26jax.hf import pack_int4
@@ -314,11 +312,7 @@ def test_sample_prompts_mixes_file_starts_and_windows_inside_one_file():
 @pytest.fixture(scope="module")
 def driver():
     """scripts/train_mini.py as a module (scripts/ on sys.path while importing it)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-    try:
-        return importlib.import_module("train_mini")
-    finally:
-        sys.path.pop(0)
+    return import_script("train_mini")
 
 
 def test_driver_refuses_an_existing_out_dir(driver, tmp_path, capsys):
