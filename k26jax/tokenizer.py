@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import codecs
 import json
 import os
 
 import jinja2
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 # Kimi's pre-tokenizer regex (tokenization_kimi.py): Han runs, cased words, 1-3 digit numbers, punctuation.
 KIMI_PAT_STR = "|".join(
@@ -32,6 +33,22 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+def read_ranks(path: str) -> dict[bytes, int]:
+    """The BPE ranks of a tiktoken.model file (`base64(token bytes) rank` lines), read from the file itself:
+    tiktoken's load_tiktoken_bpe caches every path it reads in a temp dir, so a rewritten file would load stale."""
+    ranks = {}
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except (ValueError, binascii.Error):
+                raise ValueError(f"{path}:{n}: not a `base64(token) rank` line") from None
+    return ranks
+
+
 class Tokenizer:
     def __init__(self, ckpt_dir: str):
         model_file = os.path.join(ckpt_dir, "tiktoken.model")
@@ -39,7 +56,7 @@ class Tokenizer:
         for f in (model_file, config_file):
             if not os.path.isfile(f):
                 raise FileNotFoundError(f"{f}: tokenizer file missing from the checkpoint directory")
-        ranks = load_tiktoken_bpe(model_file)
+        ranks = read_ranks(model_file)
         with open(config_file) as f:
             config = json.load(f)
         special = {v["content"]: int(k) for k, v in config.get("added_tokens_decoder", {}).items()}

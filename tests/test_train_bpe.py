@@ -130,3 +130,24 @@ def test_cli_trains_on_a_small_root(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bpe.main(["--out", str(out), "--root", str(root), "--any-python"])
     assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_rewritten_tokenizer_is_read_afresh(trained, tmp_path):
+    """tiktoken's load_tiktoken_bpe caches by path: a tokenizer retrained into the same directory (train_mini
+    --overwrite) must not load the old ranks."""
+    _, ranks, _, _, _ = trained
+    small = {t: r for t, r in ranks.items() if r < 256}  # the byte ranks only
+    k26hf.write_tokenizer(str(tmp_path), ranks, k26hf.special_tokens(V))
+    assert Tokenizer(str(tmp_path)).encoding.n_vocab == V
+    k26hf.write_tokenizer(str(tmp_path), small)
+    again = Tokenizer(str(tmp_path))
+    assert again.encoding.n_vocab == 256 + k26hf.NUM_SPECIAL
+    assert len(again.encode("def main():")) == len("def main():".encode())  # bytes alone: one id a byte
+
+
+def test_a_malformed_rank_line_names_the_file_and_line(tmp_path):
+    from k26jax.tokenizer import read_ranks
+
+    (tmp_path / "tiktoken.model").write_text("IQ== 0\nnot-base64! 1\n")
+    with pytest.raises(ValueError, match=r"tiktoken.model:2: not a `base64\(token\) rank` line"):
+        read_ranks(str(tmp_path / "tiktoken.model"))
