@@ -760,10 +760,11 @@ class Runner:
             where = os.path.join(self.args.profile, f"{v.name}_C{v.C}_ctx{v.context}")
             with jax.profiler.trace(where):
                 jax.block_until_ready(run(None))
+            hlo = compiled.as_text()
             with open(os.path.join(where, "program.hlo.txt"), "w") as f:
-                f.write(compiled.as_text())
+                f.write(hlo)
             try:
-                trace = trace_report.analyse(where, compiled.as_text(), layers=v.layers * steps)
+                trace = trace_report.analyse(where, hlo, layers=v.layers * steps)
             except (OSError, ValueError) as error:  # the timing stands without its breakdown
                 trace = {"error": f"{type(error).__name__}: {error}"}
         state = carry[0]

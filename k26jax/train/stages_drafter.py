@@ -2,8 +2,7 @@
 
 - `data`: continuations of prompts from the training and held-out files, at T=0 and T=1 (engine AR decoding of
   the quantized target, the model the drafter will serve) -> DIR/data/{train,heldout}/T<t>_<j>. Half the prompts
-  are a file's first tokens, like the evaluation's; the first pair's random windows alone left file starts at
-  chain tau 1.9 against 2.8 on windows.
+  are a file's first tokens, the shape of the evaluation's prompts.
 - `drafter`: DFlash training on that data, evaluated on the held-out data every d_eval_every steps; stops when
   held-out tau has not risen by min_delta for `patience` evaluations and keeps the best -> DIR/drafter/params.
 """
@@ -86,10 +85,14 @@ def continuations(run: Run, model: Model, prompts: list, temperature: float, see
     return {"ids": ids, "lengths": lengths, "supervised_from": sup}
 
 
-def _parts(run: Run, split: str) -> list[str]:
+def _parts(run: Run, split: str) -> list[tuple[float, int, str]]:
+    """(temperature, batch index j, directory DIR/data/<split>/T<t>_<j>) of every part of a split."""
     n = run.s.train_prompts if split == "train" else run.s.heldout_data_prompts
-    batches = -(-n // run.s.gen_batch)
-    return [run.path("data", split, f"T{t:g}_{j:03d}") for t in TEMPERATURES for j in range(batches)]
+    return [
+        (t, j, run.path("data", split, f"T{t:g}_{j:03d}"))
+        for t in TEMPERATURES
+        for j in range(-(-n // run.s.gen_batch))
+    ]
 
 
 def stage_data(run: Run) -> None:
@@ -105,19 +108,19 @@ def stage_data(run: Run) -> None:
         tokens = np.load(run.path("tokens", f"{split}.npy"))
         kw = dict(min_len=s.min_prompt_len, max_len=s.prompt_len, file_start_frac=s.file_start_frac, eos=eos)
         prompts = sample_prompts(tokens, 2 * n, seed=seed, **kw)
-        for k, part in enumerate(_parts(run, split)):
+        for t, j, part in _parts(run, split):
             if os.path.isdir(part):
                 continue
             if run.max_seconds <= 0:
                 raise CutShort("data", done_parts)
-            i, j = divmod(k, len(_parts(run, split)) // len(TEMPERATURES))
+            i = TEMPERATURES.index(t)
             rows = prompts[i * n + j * s.gen_batch : i * n + min((j + 1) * s.gen_batch, n)]
             t1 = time.time()
-            data = continuations(run, model, rows, TEMPERATURES[i], seed + 10 * i + 1000 * j)
+            data = continuations(run, model, rows, t, seed + 10 * i + 1000 * j)
             os.makedirs(os.path.dirname(part), exist_ok=True)
             loop.save_tree(part, data, meta={"sequences": len(rows)})
             done_parts += 1
-            print(f"[data] {split} T={TEMPERATURES[i]:g}: {len(rows)} prompts in {time.time() - t1:.1f}s", flush=True)
+            print(f"[data] {split} T={t:g}: {len(rows)} prompts in {time.time() - t1:.1f}s", flush=True)
     summary = {}
     for split in ("train", "heldout"):
         data = load_data(run, split)
@@ -135,7 +138,7 @@ def load_data(run: Run, split: str) -> dict:
     """DIR/data/<split>: ids, lengths, supervised_from and temperature of every sequence, over its parts."""
     T = run.s.prompt_len + run.s.new_tokens
     out = []
-    for part in _parts(run, split):
+    for t, _, part in _parts(run, split):
         n = loop.read_meta(part)["sequences"]
         like = {
             "ids": jax.ShapeDtypeStruct((n, T), jnp.int32),
@@ -143,8 +146,7 @@ def load_data(run: Run, split: str) -> dict:
             "supervised_from": jax.ShapeDtypeStruct((n,), jnp.int32),
         }
         tree, _ = loop.load_tree(part, like)
-        tree["temperature"] = np.full(n, float(os.path.basename(part)[1:].split("_")[0]), np.float32)
-        out.append(tree)
+        out.append(dict(tree, temperature=np.full(n, t, np.float32)))
     return {k: np.concatenate([t[k] for t in out]) for k in out[0]}
 
 
