@@ -7,7 +7,6 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import import_script
 
 from k26jax import synthetic
 from k26jax.config import preset
@@ -16,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def bench():
+def bench(import_script):
     """The script as `python scripts/bench_e2e.py` sees it: scripts/ first on sys.path (it imports `harness`)."""
     return import_script("bench_e2e")
 

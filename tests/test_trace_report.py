@@ -6,13 +6,12 @@ import os
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import import_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def tr():
+def tr(import_script):
     return import_script("trace_report")
 
 

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import import_script
 
 from k26jax import ops, quant
 from k26jax.hf import pack_int4
@@ -310,7 +309,7 @@ def test_sample_prompts_mixes_file_starts_and_windows_inside_one_file():
 
 # ---- the driver ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def driver():
+def driver(import_script):
     """scripts/train_mini.py as a module (scripts/ on sys.path while importing it)."""
     return import_script("train_mini")
 
