@@ -40,8 +40,9 @@ def main():
 
     cfg = preset("tiny") if args.tiny else preset(f"k26-depth{args.layers}")
     dcfg = abconfig.kimi_drafter(cfg, tiny=args.tiny)
-    params = target.init_params(cfg, 0, jnp.bfloat16)
-    dparams = drafter.init_params(dcfg, 0, jnp.bfloat16)
+    # jitted: an eager init holds each INT4 stack twice (random bits, then their int32 view)
+    params = jax.jit(lambda: target.init_params(cfg, 0, jnp.bfloat16))()
+    dparams = jax.jit(lambda: drafter.init_params(dcfg, 0, jnp.bfloat16))()
     jax.block_until_ready((params, dparams))
     t_init = time.perf_counter() - t_start
     print(f"[{args.version}] params ready in {t_init:.1f}s", flush=True)
