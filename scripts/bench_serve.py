@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 
+CHILD_ENV = dict(os.environ)  # the server and the bare loop get the device: the environment as it came
 if not {"--synthetic-server", "--bare-only"} & set(sys.argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the client never takes the device from the server
 
@@ -331,7 +332,7 @@ class Launched:
 
     def __init__(self, cmd, log_path):
         self.log_path, self.log = log_path, open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=CHILD_ENV)
 
     def wait(self, url, timeout: float):
         deadline = time.monotonic() + timeout
@@ -366,7 +367,7 @@ def free_port() -> int:
 def run_bare_subprocess(args, workdir) -> dict:
     out = os.path.join(workdir, "bare.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--bare-only", "--bare-out", out, *sys.argv[1:]]
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, env=CHILD_ENV)
     with open(out) as f:
         return json.load(f)
 
