@@ -7,7 +7,8 @@ out/mini/.../heldout_prompts.npy, or random ids), --max-tokens new tokens each, 
 /v1/completions with stream=true; C clients each send their next request when the last one ends, for --duration
 seconds per C (requests in flight at the end finish and count). Reported per C: output tok/s, requests/s, time to
 first token, time per output token and the gap between streamed chunks (one chunk = one step's tokens), p50 / p99,
-and from the server's /metrics: tau (tokens per slot-step), mean step and insert (prefill) time, compilations.
+and from the server's /metrics: tau (tokens per slot-step), mean step and insert (prefill) time, compilations, and
+how the engine thread spent the time (host work, waiting on the device, idle).
 
 --bare times the bare step loop at each C with the server's own Decoder settings (a subprocess, before the server
 starts, so the two never share the device): C prompts inserted, then --bare-steps `Decoder.step` calls back to back
@@ -52,6 +53,7 @@ import harness  # noqa: E402
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
+ENGINE_ACTIVITIES = ("host", "device_wait", "idle")
 SEED_SERVICE_8X_PRO6000 = {1: 138.7, 4: 322.0, 8: 466.0, 10: 517.0}  # tok/s, the seed's service_baseline
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -296,6 +298,7 @@ def server_side(before: dict, after: dict) -> dict:
         steps=d("k26jax_step_seconds_count"),
         insert_ms_mean=1e3 * insert_s / max(inserts, 1),
         compilations=d("k26jax_compilations_total"),
+        engine_seconds={a: d(f'k26jax_engine_seconds_total{{activity="{a}"}}') for a in ENGINE_ACTIVITIES},
     )
 
 

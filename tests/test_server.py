@@ -431,6 +431,8 @@ def test_metrics_count_what_was_served(server, client):
     assert after["k26jax_accept_length_count"] > before["k26jax_accept_length_count"]
     assert after["k26jax_time_to_first_token_seconds_count"] == before["k26jax_time_to_first_token_seconds_count"] + 1
     assert after["k26jax_queue_depth"] == 0
+    spent = lambda m, a: m[f'k26jax_engine_seconds_total{{activity="{a}"}}']
+    assert spent(after, "host") > spent(before, "host") and spent(after, "device_wait") > spent(before, "device_wait")
     steps = after["k26jax_step_seconds_count"] - before["k26jax_step_seconds_count"]
     chosen = lambda m: sum(v for k, v in m.items() if k.startswith("k26jax_budget_choices_total{"))
     assert chosen(after) - chosen(before) == steps  # --budget auto: every step's candidate is counted

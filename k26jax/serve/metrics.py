@@ -37,7 +37,7 @@ class Metrics:
         )
         self.step_seconds = prom.Histogram(
             "k26jax_step_seconds",
-            "One decode step, dispatch to emissions on the host",
+            "One decode step: from its dispatch (or the previous call's emissions, if later) to its emissions",
             buckets=_doubling(1e-4, 20),
             registry=r,
         )
@@ -54,6 +54,14 @@ class Metrics:
             buckets=_doubling(1e-3, 18),
             registry=r,
         )
+        self.engine_seconds = prom.Counter(
+            "k26jax_engine_seconds",
+            "The engine thread's time: host work, waiting on the device's emissions, idle (no request)",
+            ["activity"],
+            registry=r,
+        )
+        for activity in ("host", "device_wait", "idle"):
+            self.engine_seconds.labels(activity)
         self.queue_depth = prom.Gauge("k26jax_queue_depth", "Requests waiting for a slot", registry=r)
         self.slots_in_use = prom.Gauge("k26jax_slots_in_use", "Slots holding a request", registry=r)
         self.compilations = prom.Counter("k26jax_compilations", "XLA compilations in this process", registry=r)
@@ -93,6 +101,9 @@ class Metrics:
 
     def step(self, seconds: float):
         self.step_seconds.observe(seconds)
+
+    def engine(self, activity: str, seconds: float):
+        self.engine_seconds.labels(activity).inc(seconds)
 
     def accepted(self, n: int):
         if n:

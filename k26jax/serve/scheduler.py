@@ -139,6 +139,7 @@ class Scheduler:
         self.fields = EMISSION_FIELDS + (("survival",) if self.auto else ())
         self.pending: collections.deque[Pending] = collections.deque()  # dispatched, not yet delivered
         self.last_done = 0.0  # when the last delivered call was seen finished (times the calls back to back)
+        self.waited = 0.0  # of this turn, in _wait
         self.state = self._empty()
         self.thread = threading.Thread(target=self._run, name="k26jax-engine", daemon=True)
 
@@ -202,10 +203,12 @@ class Scheduler:
     def _run(self):
         try:
             while not self.stopping:
+                started, self.waited = time.perf_counter(), 0.0
                 try:
                     self._turn()
                 except Exception as error:  # noqa: BLE001 -- a fault fails the batch, never the thread
                     self._fault(error, list(self.slots))
+                self.metrics.engine("host", time.perf_counter() - started - self.waited)
         finally:  # also when recovering from a fault fails: no request is left waiting forever
             self._fail_all(Draining("the server stopped"))
 
@@ -219,7 +222,7 @@ class Scheduler:
             if self.pending:
                 self._deliver(keep=0)
             else:
-                self.wake.wait(0.05)
+                self._wait("idle", lambda: self.wake.wait(0.05))
                 self.wake.clear()
             return
         n, self.steps = self.steps, self.steps + 1
@@ -233,11 +236,20 @@ class Scheduler:
         self.pending.append(Pending(list(self.slots), emission, started, ran=ran))
         self._deliver(keep=1)  # everything before this step, while it runs
 
+    def _wait(self, activity: str, fn):
+        """fn(), its time counted as `activity` rather than host work."""
+        started = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - started
+        self.waited += seconds
+        self.metrics.engine(activity, seconds)
+        return out
+
     def _deliver(self, keep: int):
         """Read the emissions of the pending calls but the newest `keep`, in device order, and deliver them."""
         while len(self.pending) > keep:
             p = self.pending.popleft()
-            host = jax.device_get(p.emission)
+            host = self._wait("device_wait", lambda: jax.device_get(p.emission))
             now = time.perf_counter()
             seconds, self.last_done = now - max(p.dispatched, self.last_done), now
             if p.slot >= 0:
