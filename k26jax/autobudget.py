@@ -125,9 +125,6 @@ class AutoDecoder:
     def insert(self, *args):
         return self.decoders[0].insert(*args)
 
-    def take(self, state, fields):
-        return self.decoders[0].take(state, fields)
-
     def prepare(self, params, dparams, state, progress=None) -> Policy:
         """Compile each candidate's step for this state's batch and cache (once per shapes; progress(msg) is told
         of each) and use those shapes' policy, whose timings persist across calls."""
@@ -156,14 +153,11 @@ class AutoDecoder:
         self._dispatched = (self.choice, time.perf_counter())
         return self.executables[self.choice](params, dparams, state)
 
-    def observe(self, host: dict, was_done_C, ran: tuple[int, float] | None = None) -> int:
-        """host: a step's FIELDS on the host; was_done_C: the slots already done before it; ran: (its candidate,
-        its seconds) when the caller timed it (a pipelined server), else the last step dispatched, timed from its
-        dispatch to now. Returns the next step's candidate index."""
-        if ran is None:
-            choice, started = self._dispatched
-            ran = choice, time.perf_counter() - started
-        choice, seconds = ran
+    def observe(self, host: dict, was_done_C) -> int:
+        """host: this step's FIELDS on the host; was_done_C: the slots already done before it. Returns the next
+        step's candidate index."""
+        choice, started = self._dispatched
+        seconds = time.perf_counter() - started
         done = np.asarray(host["done"], bool)
         valid = ~np.asarray(was_done_C, bool) & ~done
         self.policy.observe(choice, seconds, host["survival"], np.asarray(host["num_emitted"]), valid)

@@ -585,21 +585,12 @@ class Decoder:
     def loop(self, params, dparams, state: DecodeState) -> DecodeState:
         return self._programs["loop"](params, dparams, state)
 
-    def take(self, state: DecodeState, fields: tuple[str, ...]) -> dict:
-        """Copies of the named state fields on the device: a server reads a step's emission arrays from them while
-        the next step, which takes the state donated, runs."""
-        return self._programs["take"](state, fields=tuple(fields))
-
     def run(self, params, dparams, state: DecodeState, num_steps: int) -> DecodeState:
         return self._programs["run"](params, dparams, state, num_steps=num_steps)
 
     def compile(self, name: str, *args, **kwargs):
         """The ahead-of-time compiled program `name` (see `_programs`) for these arguments."""
         return self._programs[name].lower(*args, **kwargs).compile()
-
-
-def _take(state: DecodeState, *, fields: tuple[str, ...]) -> dict:
-    return {f: jnp.copy(getattr(state, f)) for f in fields}
 
 
 @functools.lru_cache(maxsize=64)
@@ -617,7 +608,6 @@ def _programs(dec: Decoder) -> dict:
         "insert": jit(functools.partial(insert, **pre), donate_argnames=("state",), **opts),
         "step": jit(functools.partial(step, **s), donate_argnames=("state",), **opts),
         "loop": jit(functools.partial(decode_loop, **s), donate_argnames=("state",), **opts),
-        "take": jax.jit(_take, static_argnames=("fields",)),
         "run": jit(
             functools.partial(run_steps, **s), static_argnames=("num_steps",), donate_argnames=("state",), **opts
         ),

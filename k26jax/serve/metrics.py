@@ -37,7 +37,7 @@ class Metrics:
         )
         self.step_seconds = prom.Histogram(
             "k26jax_step_seconds",
-            "One decode step: from its dispatch (or the previous call's emissions, if later) to its emissions",
+            "One decode step, dispatch to emissions on the host",
             buckets=_doubling(1e-4, 20),
             registry=r,
         )

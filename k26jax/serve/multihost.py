@@ -2,12 +2,11 @@
 
 Every process must run the same device programs in the same order. Process 0's scheduler calls its decoder through
 `Leader`, which first publishes each call (an insert with its prompt and sampling values, a step with the chosen
-budget candidate, the copy of a call's emission arrays, a fresh state, compile and warm-up for budget="auto", stop)
-under one key per call in jax's distributed key-value store (`distributed.broadcast_bytes`); `follow` on every
-other process reads the calls in order and makes the same ones on its own copy of the decode state. Host reads stay
-on process 0 (the emission arrays are replicated). Keys are deleted a few calls later: a follower cannot lag
-further, since every step and insert holds collectives with it. A dead process stops the others through the
-coordination service's heartbeat.
+budget candidate, a fresh state, compile and warm-up for budget="auto", stop) under one key per call in jax's
+distributed key-value store (`distributed.broadcast_bytes`); `follow` on every other process reads the calls in
+order and makes the same ones on its own copy of the decode state. Host reads stay on process 0 (the emission
+arrays are replicated). Keys are deleted a few calls later: a follower cannot lag further, since every step holds
+collectives with it. A dead process stops the others through the coordination service's heartbeat.
 """
 
 from __future__ import annotations
@@ -61,10 +60,6 @@ class Leader:
         self._publish("step", getattr(self.dec, "choice", 0))
         return self.dec.step(params, dparams, state)
 
-    def take(self, state, fields):
-        self._publish("take", list(fields))
-        return self.dec.take(state, fields)
-
     def prepare(self, params, dparams, state, progress=None):
         self._publish("prepare")
         return self.dec.prepare(params, dparams, state, progress=progress)
@@ -104,8 +99,6 @@ def follow(dec, params, dparams) -> int:
                 if hasattr(dec, "choice"):
                     dec.choice = args[0]
                 state = dec.step(params, dparams, state)
-            elif kind == "take":  # the same program as process 0 (its copies are read there only)
-                dec.take(state, tuple(args[0]))
             elif kind == "prepare":
                 dec.prepare(params, dparams, state)
             elif kind == "warm":

@@ -1,16 +1,13 @@
 """The engine thread: a fixed batch of slots, continuous batching between compiled steps.
 
 One thread owns the device. Each turn of its loop, on the host:
-  1. frees the slots whose request was cancelled (a client gone, a stop string matched) or finished;
+  1. frees the slots whose request was cancelled (a client gone, a stop string matched);
   2. inserts waiting requests into free slots (`Decoder.insert`: a jitted prefill of one bucketed prompt into
-     slot i of the donated state);
-  3. dispatches one step (`Decoder.step`, state donated) for all slots, and a copy of its emission arrays
-     (`Decoder.take`, a few KB);
-  4. reads and delivers the emissions of every call before that step (the previous step, the inserts' first
-     tokens) while it runs. The device always holds the next step, so host work and Python's thread switches stay
-     off its critical path; a finished slot costs one more (masked) step, and a new request joins one step later.
-     With --budget auto (`autobudget.AutoDecoder`) the emissions carry the candidates' tree survival too, and each
-     step's time and outcome pick the budget of the next step dispatched.
+     slot i of the donated state) and delivers each first token;
+  3. dispatches one step (`Decoder.step`, state donated) for all slots;
+  4. delivers the previous step's tokens while this one runs on the device (a one-step pipeline), then copies
+     this step's emission arrays (a few KB) to the host. With --budget auto (`autobudget.AutoDecoder`) they
+     carry the candidates' tree survival too, and the step's time and outcome pick the next step's budget.
 A slot whose request finished on the device (EOS, its token limit) is freed when its last tokens are delivered.
 A slot the host freed may go on decoding on the device until it is reused: its tokens are dropped, and its
 sampling values and limit are its own, so no other slot sees them.
@@ -93,20 +90,6 @@ class Request:
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
 
 
-@dataclasses.dataclass
-class Pending:
-    """A dispatched step or insert whose emission arrays (device copies, `Decoder.take`) are not yet delivered.
-    owners: each slot's request when it was dispatched; an insert's `slot` >= 0 and its prompt `bucket`; a step's
-    budget candidate `ran` (--budget auto)."""
-
-    owners: list
-    emission: dict
-    dispatched: float
-    slot: int = -1
-    bucket: int = 0
-    ran: int = 0
-
-
 class Scheduler:
     """Owns the decode state, the slots and the waiting queue; `start()` runs the engine thread."""
 
@@ -137,8 +120,7 @@ class Scheduler:
         self.faults = {int(s) for s in os.environ.get(FAULT_ENV, "").split(",") if s.strip()}
         self.auto = getattr(dec, "auto", False)  # an AutoDecoder, or process 0's Leader over one
         self.fields = EMISSION_FIELDS + (("survival",) if self.auto else ())
-        self.pending: collections.deque[Pending] = collections.deque()  # dispatched, not yet delivered
-        self.last_done = 0.0  # when the last delivered call was seen finished (times the calls back to back)
+        self.fetched = None  # (owners, host emission arrays) of the last step, not yet delivered
         self.waited = 0.0  # of this turn, in _wait
         self.state = self._empty()
         self.thread = threading.Thread(target=self._run, name="k26jax-engine", daemon=True)
@@ -185,8 +167,7 @@ class Scheduler:
         return self.thread.is_alive()
 
     def warm_up(self):
-        """Compile insert at every prompt bucket, the step and the emission copy (run once each on free slots) before
-        serving."""
+        """Compile insert at every prompt bucket and the step (run once each on free slots) before serving."""
         for T in buckets(self.max_len):
             ids = np.zeros((1, T), np.int32)
             self.state = self.dec.insert(self.params, self.dparams, self.state, *_insert_args(0, ids, 1, 1))
@@ -195,7 +176,7 @@ class Scheduler:
             self.state = self.dec.warm(self.params, self.dparams, self.state)
         else:
             self.state = self.dec.step(self.params, self.dparams, self.state)
-        jax.block_until_ready((self.state, self.dec.take(self.state, self.fields)))
+        jax.block_until_ready(self.state)
         self.state = None  # free the warm-up state before the fresh one is made (two caches may not fit)
         self.state = self._empty()
 
@@ -215,26 +196,38 @@ class Scheduler:
     def _turn(self):
         self._reap()
         if self.drain_deadline is not None and time.perf_counter() > self.drain_deadline:
-            self._deliver(keep=0)
+            self._deliver_fetched()
             self._fail_all(Draining("the server shut down before this request finished"))
         self._admit()
-        if not any(r is not None for r in self.slots):
-            if self.pending:
-                self._deliver(keep=0)
+        if not any(r is not None and not self._done_on_device(i, r) for i, r in enumerate(self.slots)):
+            if self.fetched is not None:
+                self._deliver_fetched()
             else:
                 self._wait("idle", lambda: self.wake.wait(0.05))
                 self.wake.clear()
             return
+        owners = list(self.slots)
         n, self.steps = self.steps, self.steps + 1
         if n in self.faults:
-            self._deliver(keep=0)
+            self._deliver_fetched()
             raise RuntimeError(f"injected fault at step {n} ({FAULT_ENV})")
-        ran = getattr(self.dec, "choice", 0)
         started = time.perf_counter()
         self.state = self.dec.step(self.params, self.dparams, self.state)
-        emission = self.dec.take(self.state, self.fields)
-        self.pending.append(Pending(list(self.slots), emission, started, ran=ran))
-        self._deliver(keep=1)  # everything before this step, while it runs
+        self._deliver_fetched()  # host work while the step runs
+        self.fetched = (owners, self._fetch())
+        self.metrics.step(time.perf_counter() - started)
+        if self.auto:
+            ran = self.dec.candidates[self.dec.choice]
+            self.dec.observe(self.fetched[1], [r is None for r in owners])
+            self.metrics.budget_step(autobudget.label(ran), self.dec.policy)
+
+    def _done_on_device(self, slot: int, r: Request) -> bool:
+        """Whether the fetched, undelivered step finished r (so r needs no further step)."""
+        return self.fetched is not None and self.fetched[0][slot] is r and bool(self.fetched[1]["done"][slot])
+
+    def _fetch(self) -> dict:
+        """The state's emission arrays on the host; waits for the step or insert in flight."""
+        return self._wait("device_wait", lambda: jax.device_get({f: getattr(self.state, f) for f in self.fields}))
 
     def _wait(self, activity: str, fn):
         """fn(), its time counted as `activity` rather than host work."""
@@ -244,28 +237,6 @@ class Scheduler:
         self.waited += seconds
         self.metrics.engine(activity, seconds)
         return out
-
-    def _deliver(self, keep: int):
-        """Read the emissions of the pending calls but the newest `keep`, in device order, and deliver them."""
-        while len(self.pending) > keep:
-            p = self.pending.popleft()
-            host = self._wait("device_wait", lambda: jax.device_get(p.emission))
-            now = time.perf_counter()
-            seconds, self.last_done = now - max(p.dispatched, self.last_done), now
-            if p.slot >= 0:
-                r = p.owners[p.slot]
-                self.metrics.inserted(p.bucket, seconds, len(r.ids))
-                if not r.finished and not r.cancelled:
-                    self._deliver_slot(p.slot, r, host)
-                continue
-            self.metrics.step(seconds)
-            if self.auto:
-                self.dec.observe(host, [r is None for r in p.owners], ran=(p.ran, seconds))
-                self.metrics.budget_step(autobudget.label(self.dec.candidates[p.ran]), self.dec.policy)
-            for i, r in enumerate(p.owners):
-                if r is not None and not r.finished and not r.cancelled:
-                    self.metrics.accepted(int(host["num_emitted"][i]))
-                    self._deliver_slot(i, r, host)
 
     def _empty(self):
         return self.dec.empty(batch=self.max_batch, max_len=self.max_len, dtype=self.dtype, ctx_dtype=self.ctx_dtype)
@@ -306,10 +277,19 @@ class Scheduler:
         args = _insert_args(slot, ids, n, req.max_new, req.temperature, req.top_p, req.seed)
         started = time.perf_counter()
         self.state = self.dec.insert(self.params, self.dparams, self.state, *args)
-        owners = [None] * self.max_batch
-        owners[slot] = req
-        self.pending.append(Pending(owners, self.dec.take(self.state, self.fields), started, slot=slot, bucket=T))
+        host = self._fetch()
+        self.metrics.inserted(T, time.perf_counter() - started, n)
         self.metrics.slots(self._in_use())
+        self._deliver_slot(slot, req, host)
+
+    def _deliver_fetched(self):
+        if self.fetched is None:
+            return
+        (owners, host), self.fetched = self.fetched, None
+        for i, r in enumerate(owners):
+            if r is not None and not r.finished and not r.cancelled:
+                self.metrics.accepted(int(host["num_emitted"][i]))
+                self._deliver_slot(i, r, host)
 
     def _deliver_slot(self, i: int, r: Request, host):
         n = int(host["num_emitted"][i])
@@ -341,7 +321,7 @@ class Scheduler:
             if r is not None:
                 self._fail(r, fault, "error")
         self.slots = [None] * self.max_batch
-        self.pending.clear()
+        self.fetched = None
         self.metrics.slots(0)
         self.state = None  # free the old state (not donated if the fault came first) before making a new one
         self.state = self._empty()
