@@ -203,6 +203,7 @@ def prefill(
     temperature=0.0,
     top_p=1.0,
     max_new=None,
+    drafter=None,
 ) -> DecodeState:
     """Prompts (right-padded) -> state holding their cache, drafter context and the first token.
 
@@ -220,9 +221,8 @@ def prefill(
     first = choose(last, draw, temperature, top_p, sampling=sc.sampling)[:, 0]
     if dcfg is not None and sc.method != "ar":
         ctx_feats = jnp.concatenate(list(feats), axis=-1)  # [C, T, n*D]
-        ctx_k, ctx_v = drafter_lib.DFlashDrafter.from_params(dcfg, dparams).context_kv(
-            ctx_feats, jnp.broadcast_to(jnp.arange(T), (C, T))
-        )
+        positions = jnp.broadcast_to(jnp.arange(T), (C, T))
+        ctx_k, ctx_v = context_kv(drafter, dparams, ctx_feats, positions, dcfg=dcfg)
         pad = [(0, 0), (0, 0), (0, 0), (0, max_len - T), (0, 0)]
         ctx_k, ctx_v = jnp.pad(ctx_k, pad), jnp.pad(ctx_v, pad)
     else:
@@ -309,6 +309,7 @@ def insert(
     dcfg,
     sc: StepConfig,
     impls: ops.Impls,
+    drafter=None,
 ) -> DecodeState:
     """Prefill one prompt (ids [1, T], T a bucket <= the cache's rows) into slot `slot` of the batch.
 
@@ -330,6 +331,7 @@ def insert(
         temperature=temperature,
         top_p=top_p,
         max_new=max_new,
+        drafter=drafter,
     )
     slot = jnp.asarray(slot, jnp.int32)
     fields = {}
@@ -351,10 +353,21 @@ def insert(
 
 # ---- what a step drafts and how it accepts ------------------------------------------------------------------
 class Drafter(Protocol):
-    """Proposes the per-depth draft distributions of a step. Implementations are hashable (a static jit argument)."""
+    """Proposes the per-depth draft distributions of a step. Implementations are hashable (a static jit argument).
+    One may also define `context_kv(dparams, features, positions, *, dcfg) -> (k, v)`, the drafter context K/V of
+    target features (prefill, commit); without it the DFlash drafter's is used (`context_kv`)."""
 
     def propose(self, params, dparams, state: DecodeState, *, cfg, dcfg, sc) -> jax.Array:
         """Draft logits float32 [C, L, V] for depths 1..L below each sequence's root."""
+
+
+def context_kv(drafter, dparams, features_CTF, positions_CT, *, dcfg):
+    """The drafter context (k, v) [Ld, C, Hkv, T, K] of target features: `drafter.context_kv` where it has one,
+    else the DFlash drafter's."""
+    own = getattr(drafter, "context_kv", None)
+    if own is not None:
+        return own(dparams, features_CTF, positions_CT, dcfg=dcfg)
+    return drafter_lib.DFlashDrafter.from_params(dcfg, dparams).context_kv(features_CTF, positions_CT)
 
 
 class Acceptor(Protocol):
@@ -459,7 +472,9 @@ def step(
         else:
             path, accept_len, bonus = acceptor.accept(tokens, parents, post, num_nodes, state, sc=sc, impls=impls)
     with jax.named_scope("commit"):
-        state = commit(state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc)
+        state = commit(
+            state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc, drafter=drafter
+        )
         state = state.replace(survival=survival)
     if not sc.logprobs:
         return state
@@ -469,7 +484,19 @@ def step(
 
 
 def commit(
-    state: DecodeState, key, ids_CN, tail_rows, feats, path_CP, accept_len_C, bonus_C, dparams, *, dcfg, sc: StepConfig
+    state: DecodeState,
+    key,
+    ids_CN,
+    tail_rows,
+    feats,
+    path_CP,
+    accept_len_C,
+    bonus_C,
+    dparams,
+    *,
+    dcfg,
+    sc: StepConfig,
+    drafter=None,
 ) -> DecodeState:
     """Scatter accepted rows into the caches, emit path tokens 1.. and the bonus, advance the lengths."""
     active = ~state.done
@@ -483,8 +510,7 @@ def commit(
     ctx_k, ctx_v, ctx_len = state.ctx_k, state.ctx_v, state.ctx_len
     if feats.shape[0] and ctx_k.shape[0]:
         path_feats = kc.gather_path(jnp.concatenate(list(feats), axis=-1), path_CP)  # [C, P, n*D]
-        drafter = drafter_lib.DFlashDrafter.from_params(dcfg, dparams)
-        new_k, new_v = drafter.context_kv(path_feats, state.cache.lengths[:, None] + j)
+        new_k, new_v = context_kv(drafter, dparams, path_feats, state.cache.lengths[:, None] + j, dcfg=dcfg)
         c = jnp.broadcast_to(jnp.arange(path_CP.shape[0])[:, None], path_CP.shape)
         pos = jnp.where(j < n[:, None], ctx_len[:, None] + j, ctx_k.shape[3])
         rows_first = lambda x: x.transpose(1, 3, 0, 2, 4)  # [n, C, Hkv, P, K] -> the index's [C, P, n, Hkv, K]
@@ -597,7 +623,7 @@ class Decoder:
 def _programs(dec: Decoder) -> dict:
     """The jitted programs of a Decoder, shared by equal Decoders (so a new one recompiles nothing)."""
     s, opts = dec._statics, dict(xla_defaults=dec.xla_defaults)
-    pre = dict(cfg=dec.cfg, dcfg=dec.dcfg, sc=dec.sc, impls=dec.impls)
+    pre = dict(cfg=dec.cfg, dcfg=dec.dcfg, sc=dec.sc, impls=dec.impls, drafter=dec.drafter)
     return {
         "prefill": jit(functools.partial(prefill, **pre), static_argnames=("max_len",), **opts),
         "empty": jit(

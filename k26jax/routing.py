@@ -51,16 +51,22 @@ class ExpertProbe:
 
     def touched(self, shards: int = 1) -> dict:
         """Per call (one MoE layer of one program run): distinct experts touched, and the most on one of `shards`
-        equal expert shards; their means over the calls."""
-        per_call, busiest = [], []
+        equal expert shards, and on the first shard (device 0's experts); their means over the calls."""
+        per_call, busiest, first = [], [], []
         for _, ids in self._collected():
             hit = np.zeros(self.num_experts, bool)
             hit[ids.ravel()] = True
             per_call.append(int(hit.sum()))
             busiest.append(int(hit.reshape(shards, -1).sum(1).max()))
+            first.append(int(hit.reshape(shards, -1)[0].sum()))
         if not per_call:
             raise ValueError("the probe recorded no MoE call: was the program compiled with Impls(probe=...)?")
-        return {"calls": len(per_call), "mean": float(np.mean(per_call)), "busiest_shard": float(np.mean(busiest))}
+        return {
+            "calls": len(per_call),
+            "mean": float(np.mean(per_call)),
+            "busiest_shard": float(np.mean(busiest)),
+            "first_shard": float(np.mean(first)),
+        }
 
 
 def imbalance(loads_LE: np.ndarray) -> float:

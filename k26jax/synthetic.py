@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k26jax import ddtree, ops
+from k26jax import ddtree, engine, ops
 
 EXACT_RANKS = 4096  # ranks sampled exactly by the target: > tree_build's MAX_BUDGET, so every tree rank is exact
 QUADRATURE_NODES = 24
@@ -143,6 +143,10 @@ class SyntheticDraft:
             return logits
         real = self.base.propose(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc).astype(jnp.float32)
         return jnp.where(real == jnp.inf, real, logits)  # never taken: keeps the real drafter live
+
+    def context_kv(self, dparams, features, positions, *, dcfg):
+        """The base drafter's context K/V (the DFlash drafter's without a base)."""
+        return engine.context_kv(self.base, dparams, features, positions, dcfg=dcfg)
 
 
 def node_depths(parents_CB1, max_depth: int):

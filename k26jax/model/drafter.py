@@ -231,7 +231,11 @@ def context_kv(params, cfg: DrafterConfig, context_features, positions):
 
     k is k_norm'ed and roped; both are in the parameters' dtype.
     """
-    ctx_BTD = fused_context(params, cfg, context_features)
+    return fused_context_kv(params, cfg, fused_context(params, cfg, context_features), positions)
+
+
+def fused_context_kv(params, cfg: DrafterConfig, ctx_BTD, positions):
+    """`context_kv` from the fused context hidden_norm(fc(features)) [B,T,D]."""
     if positions.shape != ctx_BTD.shape[:2]:
         raise ValueError(f"positions: expected {ctx_BTD.shape[:2]}, got {positions.shape}")
     cos, sin = rope_cos_sin(cfg, positions)

@@ -285,6 +285,33 @@ def _map(table: dict, fn) -> dict:
     return out
 
 
+def shard_table(table: dict, model_axis_size: int, expert_mode: str = "ep") -> dict:
+    """The table of what one device of a `model_axis_size`-wide "model" axis holds: each dim split over "model"
+    divided by it (routed experts as `expert_mode` lays them out). One GPU's share of a tensor-parallel model, for
+    running that share alone (scripts/bench_share.py)."""
+
+    def local(p: Param) -> Param:
+        axes = p.axes[expert_mode] if isinstance(p.axes, dict) else p.axes
+        shape = []
+        for dim, axis in zip(p.shape, axes):
+            if axis == EP_GLOBAL:
+                raise ValueError("shard_table: ep_global spans hosts; use 'ep' or 'tp'")
+            if axis == MODEL and dim % model_axis_size:
+                raise ValueError(f"shard_table: dim {dim} of a {p.shape} leaf does not split {model_axis_size} ways")
+            shape.append(dim // model_axis_size if axis == MODEL else dim)
+        return dataclasses.replace(p, shape=tuple(shape), axes=tuple(None for _ in axes))
+
+    out = {}
+    for key, node in table.items():
+        if isinstance(node, Stack):
+            out[key] = dataclasses.replace(node, params=shard_table(node.params, model_axis_size, expert_mode))
+        elif isinstance(node, dict):
+            out[key] = shard_table(node, model_axis_size, expert_mode)
+        else:
+            out[key] = local(node)
+    return out
+
+
 def full_shape(param: Param, n: int | None) -> tuple[int, ...]:
     return param.shape if n is None else (n, *param.shape)
 
@@ -333,6 +360,11 @@ def build(module: nnx.Module, table: dict, dtype, rngs: nnx.Rngs, n: int | None 
             setattr(module, key, Group(node, dtype, rngs, n))
         else:
             setattr(module, key, nnx.Param(_init_value(node, full_shape(node, n), dtype, rngs)))
+
+
+def init_tree(table: dict, seed: int = 0, dtype=jnp.bfloat16) -> dict:
+    """A plain parameter tree initialised from `table` alone (no model class: e.g. a `shard_table`)."""
+    return pure_params(Group(table, dtype, nnx.Rngs(seed)))
 
 
 def pure_params(module: nnx.Module) -> dict:

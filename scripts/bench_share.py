@@ -1,0 +1,333 @@
+"""One GPU's share of the tensor-parallel K2.6 step, run alone on one GPU: what each of n GPUs computes under TP-n.
+
+Under k26jax/sharding.py each of n GPUs holds 1/n of the attention heads, of the vocabulary (embedding, lm_head),
+of the dense and shared-expert MLPs and of the drafter (heads, MLP, fc input), and either E/n whole routed experts
+("ep") or 1/n of every expert's intermediate dim ("tp"); the router, the norms and the latent KV cache (every MLA
+head reads it) are whole. `params.shard_table` gives exactly those shapes from the parameter table. This script
+initialises them (random weights, the router's bias balanced over a calibration batch, as a trained K2.6's is) at
+depth N (all 61 layers fit one H200: a share is 1/n of the bytes) and times the engine's step on them:
+  - the share's config has H/n heads and V/n tokens, so attention, the draft's top-K and the argmax run over the
+    share's own slice (the cross-GPU merge of top-K candidates is a small gather, in the collective model);
+  - "ep": the router picks k of all E experts per token and only the picks in device 0's range are computed (the
+    MoE kernel skips ids outside its experts, as under shard_map);
+  - the drafter's fc takes device 0's F/n feature columns (`ShareDraft`);
+  - collectives are not run. Each all-reduce and gather of the n-GPU step (bench_e2e.collectives) is counted and
+    its cost modelled as --collective-us + ring bytes / --nvlink-GBps; the projected n-GPU step is the measured
+    share plus that model (both in the record).
+Acceptance: k26jax.synthetic's calibrated drafter (the chain's E[tau] = --tau at b = 8), so tok/s = tau C / step.
+Floors: the share's bytes (bench_e2e.traffic at n GPUs, routed experts as device 0's measured touches) over the
+copy ceiling of the same run. Two or more --layers fit t = a + b N, and the record projects N = 61 from it.
+--profile DIR adds each variant's per-scope and per-kernel breakdown (scripts/trace_report.py).
+
+GPU (one H200; on an H100 80 GB, --layers 40 20):
+  python scripts/bench_share.py --layers 61 --out $OUT/share_h200.json
+CPU smoke run (tiny shapes, 8-way share; timings mean nothing):
+  python scripts/bench_share.py --preset tiny --layers 4 2 --contexts 256 --steps 2 --repeats 1 --out /tmp/share.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import time
+
+import bench_e2e
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import trace_report
+
+from k26jax import api, engine, ops, routing, synthetic
+from k26jax.model import drafter as drafter_lib
+from k26jax.model import params as param_table
+from k26jax.model.layers import mm, rms_norm
+from k26jax.step_cost import kimi_drafter_config
+
+K26_LAYERS = 61
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareDraft(engine.DFlashDraft):
+    """The DFlash drafter of device 0's share: fc's input dim is split, so it multiplies the first F/n feature
+    columns (the n partial sums are all-reduced on a real mesh; here that is modelled)."""
+
+    def context_kv(self, dparams, features, positions, *, dcfg):
+        fc = dparams["fc"]
+        x = features[..., : fc.shape[0]].astype(fc.dtype)
+        ctx = rms_norm(mm("btf,fd->btd", x, fc), dparams["hidden_norm"], dcfg.rms_norm_eps)
+        return drafter_lib.fused_context_kv(dparams, dcfg, ctx, positions)
+
+
+@dataclasses.dataclass
+class Share:
+    """Device 0's share of the depth-N model on n GPUs: configs whose heads and vocabulary are the share's, and
+    the share's parameter tables (the full configs stay, for the floors and the collective model)."""
+
+    full_cfg: object
+    full_dcfg: object
+    n: int
+    expert_mode: str
+
+    def __post_init__(self):
+        cfg, dcfg, n = self.full_cfg, self.full_dcfg, self.n
+        if cfg.num_attention_heads % n or cfg.vocab_size % n:
+            raise ValueError(f"heads {cfg.num_attention_heads} and vocab {cfg.vocab_size} must split {n} ways")
+        heads = cfg.num_attention_heads // n
+        self.cfg = cfg.replace(num_attention_heads=heads, vocab_size=cfg.vocab_size // n)
+        split = param_table.drafter_heads_split(dcfg, n)
+        self.dcfg = dcfg.replace(
+            num_attention_heads=dcfg.num_attention_heads // n if split else dcfg.num_attention_heads,
+            num_key_value_heads=dcfg.num_key_value_heads // n if split else dcfg.num_key_value_heads,
+            mask_token_id=min(dcfg.mask_token_id, self.cfg.vocab_size - 1),  # a token of the share's vocabulary
+        )
+        self.table = param_table.shard_table(param_table.target_table(cfg), n, self.expert_mode)
+        self.dtable = param_table.shard_table(param_table.drafter_table(dcfg, n), n)
+
+    def init(self, seed: int, dtype):
+        return jax.jit(
+            lambda: (
+                param_table.init_tree(self.table, seed, dtype),
+                param_table.init_tree(self.dtable, seed + 1, dtype),
+            )
+        )()
+
+
+def balance(share: Share, params, seed: int):
+    """params with each MoE layer's router bias balanced over a calibration batch of random tokens, and the
+    record of it (bench_e2e's procedure on the share)."""
+    if not share.cfg.n_routed_experts:
+        return params, None
+    probe = routing.ExpertProbe(share.cfg.n_routed_experts)
+    impls = dataclasses.replace(ops.Impls.auto(), probe=probe)
+    ids = np.random.default_rng(seed).integers(0, share.cfg.vocab_size, (4, 256)).astype(np.int32)
+    lengths = np.full((4,), 256, np.int32)
+    prefill = functools.partial(api._prefill_jit, cfg=share.cfg, impls=impls, hidden_layer_ids=())
+    leaf = params["moe"]["mlp"]["router_bias"]
+
+    def with_bias(bias):
+        mlp = dict(params["moe"]["mlp"], router_bias=jnp.asarray(bias, leaf.dtype))
+        return {**params, "moe": {**params["moe"], "mlp": mlp}}
+
+    def loads(bias):
+        probe.clear()
+        jax.block_until_ready(prefill(with_bias(bias), ids, lengths))
+        return probe.loads(leaf.shape[0])
+
+    bias, before, after = routing.balance_bias(loads, np.asarray(leaf, np.float32))
+    return with_bias(bias), {"imbalance_random": before, "imbalance_balanced": after, "tokens": int(ids.size)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    layers: int
+    method: str
+    budget: int
+    C: int
+    context: int
+
+    @property
+    def name(self) -> str:
+        return f"ddtree{self.budget}" if self.method == "ddtree" else self.method
+
+
+class Bench:
+    """The share at one depth: its decoders, states, timings and floors."""
+
+    def __init__(self, args, layers: int, ceil: harness.Ceilings):
+        self.args, self.layers, self.ceil = args, layers, ceil
+        self.tiny = args.preset == "tiny"
+        self.dtype = jnp.float32 if self.tiny else jnp.bfloat16
+        full = bench_e2e.target_config(args.preset, layers)
+        self.share = Share(full, kimi_drafter_config(full, self.tiny), args.gpus, args.expert_mode)
+        self.profile = synthetic.fit_profile(args.tau, 8, vocab=self.share.cfg.vocab_size)
+        self.impls = ops.Impls.auto()
+
+    def decoder(self, v: Variant, impls=None) -> engine.Decoder:
+        s = self.share
+        budget = max(v.budget, 1)  # AR's tree is its root alone
+        sc = engine.StepConfig(method=v.method, budget=budget, max_new_tokens=4096, block_size=s.dcfg.block_size)
+        drafter, acceptor = synthetic.synthetic_pair(self.profile, self.args.seed, base=ShareDraft())
+        spec = dict(drafter=drafter, acceptor=acceptor) if v.method != "ar" else {}
+        return engine.Decoder(s.cfg, s.dcfg if v.method != "ar" else None, sc, impls or self.impls, **spec)
+
+    def state(self, v: Variant):
+        dec = self.decoder(v)
+        need = v.context + (self.args.steps + 2) * dec.sc.block_size + v.budget + 1
+        fill = functools.partial(
+            bench_e2e.synthetic_state, cfg=dec.cfg, dcfg=dec.dcfg, sc=dec.sc, C=v.C, S=-(-need // 64) * 64,
+            context=v.context, dtype=self.dtype,
+        )  # fmt: skip
+        return jax.jit(fill)(jax.random.key(self.args.seed + v.C))
+
+    def measure(self, v: Variant, params, dparams) -> dict:
+        dec, state = self.decoder(v), self.state(v)
+        start = time.perf_counter()
+        compiled = dec.compile("run", params, dparams, state, num_steps=self.args.steps)
+        row = {"kind": "step", "variant": v.name, **dataclasses.asdict(v), "compile_s": time.perf_counter() - start}
+        reset = functools.partial(bench_e2e.reset_state, C=v.C, context=v.context, sharding=None)
+        carry = [jax.block_until_ready(compiled(params, dparams, reset(state)))]
+
+        def run(_):
+            carry[0] = compiled(params, dparams, reset(carry[0]))
+            return carry[0]
+
+        steps = self.args.steps
+        reps = harness.time_calls(run, calls=1, per_call=steps, repeats=self.args.repeats, warmup=False)
+        accept = np.asarray(carry[0].accept_lens)[:steps]
+        if self.args.profile:
+            row["trace"] = self.trace(v, compiled, run)
+        touched = self.touched(v, params, dparams, carry[0])
+        step_ms = 1e3 * statistics.median(reps)
+        tau = float(accept.mean()) if v.method != "ar" else 1.0
+        row.update(step_ms=step_ms, step_ms_reps=[1e3 * t for t in reps], tau_realised=tau, touched_experts=touched)
+        row.update(self.floors(v, touched, step_ms))
+        row["tok_s"] = tau * v.C / (row["projected_step_ms"] / 1e3)
+        return row
+
+    def touched(self, v: Variant, params, dparams, state) -> dict | None:
+        """Distinct routed experts per MoE layer in one probed step: all of them, and device 0's range."""
+        if not self.share.cfg.n_routed_experts:
+            return None
+        probe = routing.ExpertProbe(self.share.cfg.n_routed_experts)
+        dec = self.decoder(v, dataclasses.replace(self.impls, probe=probe))
+        jax.block_until_ready(dec.step(params, dparams, state))
+        return probe.touched(self.args.gpus)
+
+    def floors(self, v: Variant, touched, step_ms: float) -> dict:
+        s, n = self.share, self.args.gpus
+        if touched is None:
+            local = None
+        elif self.args.expert_mode == "ep":
+            local = (touched["first_shard"] * n, touched["first_shard"])  # traffic's EP share: local * n / E
+        else:
+            local = (touched["mean"], touched["mean"])
+        parts = bench_e2e.traffic(
+            s.full_cfg, s.full_dcfg, v.method, v.budget, v.C, v.context,
+            n=n, expert_mode=self.args.expert_mode, dtype=self.dtype, touched=local,
+        )  # fmt: skip
+        fl = bench_e2e.floor_ms(parts, self.ceil.copy_bytes_per_s / 1e12, self.ceil.matmul_flops / 1e12)
+        ops_list = bench_e2e.collectives(s.full_cfg, s.full_dcfg, v.method, v.budget, v.C, n)
+        coll_ms = bench_e2e.collective_ms(ops_list, n, self.args.collective_us, self.args.nvlink_GBps)
+        return dict(
+            floor_ms=fl["floor_ms"],
+            x_floor=step_ms / fl["floor_ms"],
+            pct_of_floor=100 * fl["floor_ms"] / step_ms,
+            bytes_by_part={p: b for p, (b, _) in parts.items()},
+            collectives=sum(c for c, _ in ops_list),
+            collective_ms=coll_ms,
+            projected_step_ms=step_ms + coll_ms,
+        )
+
+    def trace(self, v: Variant, compiled, run) -> dict:
+        where = os.path.join(self.args.profile, f"share_d{self.layers}_{v.name}_C{v.C}_ctx{v.context}")
+        with jax.profiler.trace(where):
+            jax.block_until_ready(run(None))
+        hlo = compiled.as_text()
+        with open(os.path.join(where, "program.hlo.txt"), "w") as f:
+            f.write(hlo)
+        try:
+            return trace_report.analyse(where, hlo, layers=v.layers * self.args.steps)
+        except (OSError, ValueError) as error:  # the timing stands without its breakdown
+            return {"error": f"{type(error).__name__}: {error}"}
+
+
+def project(rows: list[dict], args) -> list[dict]:
+    """Per variant measured at two or more depths: the least-squares t = a + b N of the share's step, its value at
+    61 layers, and that plus the 61-layer step's modelled collectives."""
+    full = bench_e2e.target_config(args.preset, K26_LAYERS)
+    dcfg = kimi_drafter_config(full, args.preset == "tiny")
+    out, groups = [], {}
+    for r in rows:
+        if r.get("kind") == "step" and "step_ms" in r:
+            groups.setdefault((r["method"], r["budget"], r["C"], r["context"]), []).append(r)
+    for (method, budget, C, context), rs in sorted(groups.items()):
+        if len({r["layers"] for r in rs}) < 2:
+            continue
+        b, a = np.polyfit([r["layers"] for r in rs], [r["step_ms"] for r in rs], 1)
+        share_ms = a + b * K26_LAYERS
+        ops_list = bench_e2e.collectives(full, dcfg, method, budget, C, args.gpus)
+        coll_ms = bench_e2e.collective_ms(ops_list, args.gpus, args.collective_us, args.nvlink_GBps)
+        tau = statistics.mean(r["tau_realised"] for r in rs)
+        row = dict(kind="projection", method=method, budget=budget, C=C, context=context, layers=K26_LAYERS)
+        row.update(depths=sorted(r["layers"] for r in rs), fixed_ms=a, per_layer_ms=b, share_step_ms=share_ms)
+        row.update(
+            collective_ms=coll_ms, projected_step_ms=share_ms + coll_ms, tok_s=tau * C / (share_ms + coll_ms) * 1e3
+        )
+        out.append(row)
+    return out
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="k26", choices=("k26", "tiny"))
+    ap.add_argument("--layers", type=int, nargs="+", default=[K26_LAYERS], help="depths N (two or more: a fit)")
+    ap.add_argument("--gpus", type=int, default=8, help="n: the tensor-parallel width whose share runs")
+    ap.add_argument("--expert-mode", default="ep", choices=("ep", "tp"))
+    ap.add_argument("--methods", nargs="+", default=["ar", "ddtree"], choices=engine.METHODS)
+    ap.add_argument("--budget", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--tau", type=float, default=5.3, help="the chain's E[tau] at b = 8 (synthetic acceptance)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--collective-us", type=float, default=10.0, help="latency per collective, microseconds")
+    ap.add_argument("--nvlink-GBps", type=float, default=360.0, help="all-reduce bus bandwidth per GPU, GB/s")
+    ap.add_argument("--profile", default=None, help="write jax.profiler traces here and break each step down")
+    harness.add_record_args(ap, "bench/results/share.json")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ceil = harness.measure_ceilings(small=args.preset == "tiny")
+    record = harness.record_header(
+        args.commit,
+        gpus=args.gpus,
+        expert_mode=args.expert_mode,
+        collective_model={"latency_us": args.collective_us, "busbw_GBps": args.nvlink_GBps, "form": "ring"},
+        ceilings=ceil.record(),
+        rows=[],
+    )
+    for layers in sorted(args.layers, reverse=True):
+        bench = Bench(args, layers, ceil)
+        start = time.perf_counter()
+        params, dparams = jax.block_until_ready(bench.share.init(args.seed, bench.dtype))
+        params, router = balance(bench.share, params, args.seed)
+        print(f"[share] depth {layers}: parameters and router in {time.perf_counter() - start:.1f}s", flush=True)
+        record["rows"].append({"kind": "router", "layers": layers, **(router or {})})
+        for context in args.contexts:
+            for C in args.concurrency:
+                for method in args.methods:
+                    v = Variant(layers, method, args.budget if method == "ddtree" else 0, C, context)
+                    try:
+                        row = bench.measure(v, params, dparams)
+                    except Exception as error:  # noqa: BLE001 -- one device call: keep every other figure
+                        row = {"kind": "step", "variant": v.name, **dataclasses.asdict(v)}
+                        row["error"] = harness.error_text(error, 2000)
+                    record["rows"].append(row)
+                    print(_line(row), flush=True)
+                    harness.write_json(record, args.out)
+        del params, dparams
+    record["rows"] += project(record["rows"], args)
+    harness.write_json(record, args.out)
+    return 0
+
+
+def _line(row: dict) -> str:
+    if "error" in row:
+        return f"[{row['variant']} C={row['C']} ctx={row['context']}] {row['error'][:300]}"
+    return (
+        f"[{row['variant']} N={row['layers']} C={row['C']} ctx={row['context']}] {row['step_ms']:.3f} ms "
+        f"({row['x_floor']:.2f}x its {row['floor_ms']:.3f} ms floor), + {row['collective_ms']:.3f} ms "
+        f"collectives -> {row['tok_s']:.0f} tok/s at tau {row['tau_realised']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
