@@ -18,7 +18,7 @@ from k26jax.api import Model
 log = logging.getLogger(__name__)
 
 STREAM_FIELDS = ("emitted", "num_emitted", "done", "step")
-DEFAULT_CKPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tiny")
+DEFAULT_CKPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "mini")
 
 
 @dataclasses.dataclass

@@ -2,6 +2,7 @@
 k26jax.budget's estimate of the same draft, and generate's auto decoding against AR (lossless)."""
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -9,7 +10,10 @@ import pytest
 
 import k26jax
 from k26jax import autobudget, budget, engine
-from k26jax.generation import DEFAULT_CKPT, generate
+from k26jax.generation import generate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "checkpoints", "tiny")  # random weights: the mechanism, not the trained pair
 
 CANDS = (("chain", 7), ("ddtree", 8), ("ddtree", 32))
 
@@ -78,7 +82,7 @@ def test_calibration_finds_an_overconfident_drafter():
 def test_a_step_reports_the_survival_budget_estimates_from_its_draft():
     """RandomDraft's logits are a known function of the step: the state's survival after one step equals
     budget.candidate_taus on them, and DDTree verifies that build's prefix (lossless against AR below)."""
-    model = k26jax.load(DEFAULT_CKPT, dtype="float32")
+    model = k26jax.load(TINY, dtype="float32")
     sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=8, estimate=CANDS)
     draft = engine.RandomDraft(seed=3)
     dec = engine.Decoder(model.cfg, model.drafter_cfg, sc, model.impls, drafter=draft)
@@ -96,7 +100,7 @@ def test_auto_decoding_emits_ar_tokens_and_reports_its_choices():
     compiled steps and the measured times."""
     jax.config.update("jax_default_matmul_precision", "highest")
     try:
-        model = k26jax.load(DEFAULT_CKPT, dtype="float32")
+        model = k26jax.load(TINY, dtype="float32")
         prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
         ar = generate(model, prompts, max_new_tokens=30, method="ar")
         first = generate(model, prompts, max_new_tokens=30, budget="auto")
@@ -121,6 +125,6 @@ def test_auto_decoding_emits_ar_tokens_and_reports_its_choices():
     ],
 )
 def test_bad_budget_arguments_are_named(kw, words):
-    model = k26jax.load(DEFAULT_CKPT, dtype="float32")
+    model = k26jax.load(TINY, dtype="float32")
     with pytest.raises(ValueError, match=words):
         generate(model, [[1, 2, 3]], max_new_tokens=4, **kw)

@@ -2,6 +2,7 @@
 code 2, never a traceback; streamed text equals the full decode, multi-byte characters included."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import pytest
 
 from k26jax.generation import DEFAULT_CKPT
 from k26jax.tokenizer import StreamDecoder, Tokenizer
+
+TINY = os.path.join(os.path.dirname(DEFAULT_CKPT), "tiny")
 
 
 def run_cli(*args, timeout=300):
@@ -28,7 +31,7 @@ def run_cli(*args, timeout=300):
         (["--prompt", "hi", "--budget", "0"], "argument --budget: '0': use a positive integer or 'auto'"),
         (["--prompt", "hi", "--budget", "auto", "--method", "chain"], "budget='auto' needs method='ddtree'"),
         (["--prompt", "hi", "--drafter", "/nonexistent/drafter"], "/nonexistent/drafter"),
-        (["--prompt", "word " * 3000], "beyond the cache"),
+        (["--ckpt", TINY, "--prompt", "word " * 3000], "beyond the cache"),  # tiny: 4096 positions
     ],
     ids=["bad-path", "empty-prompt", "bad-budget", "auto-budget-for-chain", "missing-drafter", "prompt-too-long"],
 )
@@ -51,6 +54,15 @@ def test_generate_streams_and_reports_tau():
     assert "tau=1.00 (tokens per target pass; 1 = no speed-up)" in r.stderr
     assert "[k26jax] method=ar, 1 prompt(s)" in r.stderr  # AR has no tree budget
     assert "kernels: reference (jnp)" in r.stderr  # the library logs its backend and kernel path
+
+
+def test_the_readme_command_speculates_on_the_embedded_pair():
+    """The README's main command on the default checkpoint (the trained k26-mini pair): Python out, and more than
+    one token per target pass (random weights give tau = 1.00)."""
+    r = run_cli("generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "48")
+    assert r.returncode == 0, r.stderr
+    tau = float(re.search(r"tau=([\d.]+)", r.stderr).group(1))
+    assert tau >= 1.5 and r.stdout.strip(), r.stderr
 
 
 def test_profile_writes_a_trace_and_compiles_persist(tmp_path):

@@ -1,12 +1,16 @@
 """k26jax.routing: the expert probe against the router's own top-k, and the bias balancing."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import k26jax
 from k26jax import api, ops, routing
-from k26jax.generation import DEFAULT_CKPT
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "checkpoints", "tiny")  # random weights: the mechanism, not the trained pair
 
 
 def _prefill(model, impls, ids, bias=None):
@@ -19,7 +23,7 @@ def _prefill(model, impls, ids, bias=None):
 
 
 def test_the_probe_sees_each_moe_layers_top_k_and_nothing_without_it():
-    model = k26jax.load(DEFAULT_CKPT, dtype="float32")
+    model = k26jax.load(TINY, dtype="float32")
     cfg, E, k = model.cfg, model.cfg.n_routed_experts, model.cfg.num_experts_per_tok
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 20)).astype(np.int32)
     n_moe = model.params["moe"]["mlp"]["router_bias"].shape[0]
@@ -42,7 +46,7 @@ def test_the_probe_sees_each_moe_layers_top_k_and_nothing_without_it():
 
 
 def test_balancing_the_bias_evens_a_random_routers_loads():
-    model = k26jax.load(DEFAULT_CKPT, dtype="float32")
+    model = k26jax.load(TINY, dtype="float32")
     ids = np.random.default_rng(1).integers(0, model.cfg.vocab_size, (4, 64)).astype(np.int32)
     probe = routing.ExpertProbe(model.cfg.n_routed_experts)
     bias0 = np.asarray(model.params["moe"]["mlp"]["router_bias"])
