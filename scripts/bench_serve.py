@@ -2,13 +2,14 @@
 service_baseline (SGLang + DDTree on 8x RTX PRO 6000: 138.7 / 322 / 466 / 517 tok/s at C = 1 / 4 / 8 / 10; the
 seed states no workload).
 
-Workload (ours): prompts of --prompt-len tokens (rows of the mini pair's held-out prompts, --prompts
-out/mini/.../heldout_prompts.npy, or random ids), --max-tokens new tokens each, temperature 0, through
-/v1/completions with stream=true; C clients each send their next request when the last one ends, for --duration
-seconds per C (requests in flight at the end finish and count). Reported per C: output tok/s, requests/s, time to
-first token, time per output token and the gap between streamed chunks (one chunk = one step's tokens), p50 / p99,
-and from the server's /metrics: tau (tokens per slot-step), mean step and insert (prefill) time, compilations, and
-how the engine thread spent the time (host work, waiting on the device, idle).
+Workload (ours): prompts of --prompt-len tokens (the mini pair's held-out prompts, --prompts heldout: each held-out
+stdlib file's first tokens under the served tokenizer; an .npy of ids; or random ids), --max-tokens new tokens
+each, temperature 0, through /v1/completions with stream=true; C clients each send their next request when the
+last one ends, for --duration seconds per C (requests in flight at the end finish and count). Reported per C:
+output tok/s, requests/s, time to first token, time per output token and the gap between streamed chunks (one
+chunk = one step's tokens), p50 / p99, and from the server's /metrics: tau (tokens per slot-step), mean step and
+insert (prefill) time, compilations, and how the engine thread spent the time (host work, waiting on the device,
+idle).
 
 --bare times the bare step loop at each C with the server's own Decoder settings (a subprocess, before the server
 starts, so the two never share the device): C prompts inserted, then --bare-steps `Decoder.step` calls back to back
@@ -23,7 +24,7 @@ here puts the server's and the client's wheels in .whl (6.5 MB); carry .whl and 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 then:
-  python scripts/bench_serve.py --launch --bare --label mini_ddtree -- --ckpt checkpoints/mini --method ddtree
+  python scripts/bench_serve.py --launch --bare --prompts heldout --label mini_ddtree -- --ckpt checkpoints/mini
   python scripts/bench_serve.py --synthetic --layers 8 --tau 5.3 --bare --label k26d8_ddtree
   python scripts/bench_serve.py --url http://127.0.0.1:8000 --label live   # a server already running
 CPU smoke run (its timings mean nothing):
@@ -184,6 +185,19 @@ def _bucket(n: int, max_len: int) -> int:
 
 # ---- the workload ---------------------------------------------------------------------------------------------
 def load_prompts(args, vocab_size: int) -> list[list[int]]:
+    """--prompt-len ids per prompt: random (below min(vocab_size, 1000)), the first ids of the held-out stdlib files
+    under the served checkpoint's tokenizer ("heldout", --launch: the mini pair's evaluation prompts), or an .npy."""
+    if args.prompts == "heldout":
+        from k26jax.tokenizer import Tokenizer
+        from k26jax.train import corpus
+
+        if not args.launch:
+            raise SystemExit("--prompts heldout: needs --launch (it reads the served checkpoint's tokenizer)")
+        ckpt = serve_args(args).ckpt
+        ids, _ = corpus.heldout_prompts(Tokenizer(ckpt), n=64, prompt_tokens=args.prompt_len)
+        if not len(ids):
+            raise SystemExit(f"--prompts heldout: no held-out file has {args.prompt_len} tokens under {ckpt}")
+        return ids.tolist()
     if args.prompts == "random":
         rng = np.random.default_rng(args.seed)
         return [rng.integers(0, min(vocab_size, 1000), args.prompt_len).tolist() for _ in range(64)]
@@ -396,7 +410,9 @@ def parse_args(argv=None):
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of closed-loop load per C")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--prompts", default="random", help="'random' or an int .npy [n, >= prompt-len]")
+    ap.add_argument(
+        "--prompts", default="random", help="'random', 'heldout' (with --launch) or an int .npy [n, >= prompt-len]"
+    )
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bare", action="store_true", help="also time the bare step loop (--launch / --synthetic)")
