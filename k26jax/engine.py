@@ -463,7 +463,7 @@ def step(
         layer_ids = tuple(dcfg.target_layer_ids) if dcfg is not None and L else ()
         model = target.K2Model.from_params(cfg, params)
         logits, tail_rows, feats = model.verify(
-            ids, positions, state.cache.rows, state.cache.lengths, visibility, impls, layer_ids
+            ids, positions, state.cache.rows, state.cache.lengths, visibility, impls, layer_ids, ~state.done
         )
     with jax.named_scope("accept"):
         post = choose(logits, k_choice, state.temperature, state.top_p, sampling=sc.sampling)  # [C, B+1]

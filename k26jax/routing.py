@@ -46,7 +46,7 @@ class ExpertProbe:
         """Tokens sent to each expert per MoE layer, [num_layers, E], summed over the calls so far."""
         out = np.zeros((num_layers, self.num_experts), np.int64)
         for layer, ids in self._collected():
-            out[layer] += np.bincount(ids.ravel(), minlength=self.num_experts)
+            out[layer] += np.bincount(_routed(ids), minlength=self.num_experts)
         return out
 
     def touched(self, shards: int = 1) -> dict:
@@ -55,7 +55,7 @@ class ExpertProbe:
         per_call, busiest, first = [], [], []
         for _, ids in self._collected():
             hit = np.zeros(self.num_experts, bool)
-            hit[ids.ravel()] = True
+            hit[_routed(ids)] = True
             per_call.append(int(hit.sum()))
             busiest.append(int(hit.reshape(shards, -1).sum(1).max()))
             first.append(int(hit.reshape(shards, -1)[0].sum()))
@@ -67,6 +67,12 @@ class ExpertProbe:
             "busiest_shard": float(np.mean(busiest)),
             "first_shard": float(np.mean(first)),
         }
+
+
+def _routed(ids) -> np.ndarray:
+    """The expert ids of a call that went to an expert (a finished slot's tokens carry -1: routed nowhere)."""
+    ids = ids.ravel()
+    return ids[ids >= 0]
 
 
 def imbalance(loads_LE: np.ndarray) -> float:

@@ -59,3 +59,27 @@ def test_balancing_the_bias_evens_a_random_routers_loads():
     bias, before, after = routing.balance_bias(loads, bias0, iters=20, step=0.03, decay=0.88)
     assert before > 1.5 and after < 1.25 and after < before
     assert routing.imbalance(loads(bias)) == after and not np.allclose(bias, bias0)
+
+
+def test_a_finished_slot_reads_no_experts_and_leaves_the_live_slot_unchanged():
+    """A step over two slots of which one is done routes only the live slot's tokens (the done slot's go to no
+    expert), and the live slot's step is the same as when both are live."""
+    from k26jax import engine
+
+    model = k26jax.load(TINY, dtype="float32")
+    E, k = model.cfg.n_routed_experts, model.cfg.num_experts_per_tok
+    probe = routing.ExpertProbe(E)
+    sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=16, block_size=model.drafter_cfg.block_size)
+    ids = np.random.default_rng(2).integers(0, model.cfg.vocab_size, (2, 12)).astype(np.int32)
+    dec = engine.Decoder(model.cfg, model.drafter_cfg, sc, ops.Impls(probe=probe))
+    state = dec.prefill(
+        model.params, model.drafter_params, ids, np.array([12, 12], np.int32), jax.random.key(0), max_len=64
+    )
+    both = dec.step(model.params, model.drafter_params, jax.tree.map(jnp.copy, state))
+    probe.clear()
+    one = dec.step(model.params, model.drafter_params, state.replace(done=jnp.array([False, True])))
+    n_moe = model.params["moe"]["mlp"]["router_bias"].shape[0]
+    assert probe.loads(n_moe).sum() == n_moe * (sc.tree_size + 1) * k  # the live slot's tree tokens only
+    assert int(one.num_emitted[0]) == int(both.num_emitted[0]) and int(one.num_emitted[1]) == 0
+    np.testing.assert_array_equal(np.asarray(one.emitted[0]), np.asarray(both.emitted[0]))
+    np.testing.assert_array_equal(np.asarray(one.cache.rows[:, 0]), np.asarray(both.cache.rows[:, 0]))

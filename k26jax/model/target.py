@@ -46,7 +46,15 @@ class K2Model(nnx.Module):
         return forward_prefill(self.params(), self.cfg, ids_BT, lengths_B, impls, hidden_layer_ids, last_only)
 
     def verify(
-        self, ids_BT, positions_BT, cache_rows, prefix_len_B, visibility_BTT, impls: ops.Impls, hidden_layer_ids=()
+        self,
+        ids_BT,
+        positions_BT,
+        cache_rows,
+        prefix_len_B,
+        visibility_BTT,
+        impls: ops.Impls,
+        hidden_layer_ids=(),
+        active_B=None,
     ):
         """T new tokens per sequence against the latent cache (a tree tail, a chain, or one token): `forward_tail`."""
         return forward_tail(
@@ -59,6 +67,7 @@ class K2Model(nnx.Module):
             visibility_BTT,
             impls,
             hidden_layer_ids,
+            active_B,
         )
 
     def decode(self, ids_B1, positions_B1, cache_rows, prefix_len_B, impls: ops.Impls, hidden_layer_ids=()):
@@ -91,12 +100,16 @@ def segments(cfg: ModelConfig):
 EXPERT_KEYS = ("w13_packed", "w13_scale", "w2_packed", "w2_scale")
 
 
-def _moe_ffn(mlp, experts, index, x_BTD, cfg: ModelConfig, impls: ops.Impls):
-    """MoE FFN of MoE layer `index`; `experts` holds the whole stacks of the routed-expert weights."""
+def _moe_ffn(mlp, experts, index, x_BTD, cfg: ModelConfig, impls: ops.Impls, active_B=None):
+    """MoE FFN of MoE layer `index`; `experts` holds the whole stacks of the routed-expert weights. The tokens of
+    sequences not in active_B (bool [B]: a finished slot's, whose outputs are not used) go to no expert (id -1,
+    which every expert shard skips), so they add no expert reads."""
     B, T, D = x_BTD.shape
     x_ND = x_BTD.reshape(B * T, D)
     with jax.named_scope("router"):
         topk_ids, topk_weights = L.route(mlp["router_kernel"], mlp["router_bias"], x_ND, cfg)
+        if active_B is not None:
+            topk_ids = jnp.where(jnp.repeat(active_B, T)[:, None], topk_ids, -1)
     y = ops.moe_gemm(x_ND, topk_ids, topk_weights, *(experts[k] for k in EXPERT_KEYS), layer=index, impls=impls)
     if "shared" in mlp:
         with jax.named_scope("shared_expert"):
@@ -112,7 +125,7 @@ def _split_experts(stack):
     return {**stack, "mlp": mlp}, {k: stack["mlp"][k] for k in EXPERT_KEYS}
 
 
-def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden_layer_ids=()):
+def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden_layer_ids=(), active_B=None):
     """Run every decoder layer. `attend(attn_params, x_normed, layer) -> (attn_out, latent_rows)`, layer the
     (traced) index of the decoder layer, so a cache can be read in place.
 
@@ -142,7 +155,7 @@ def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden
                 with jax.named_scope("dense_mlp"):
                     h = h + L.swiglu_mlp(p["mlp"], x)
             else:
-                h = h + _moe_ffn(p["mlp"], experts, xs["index"], x, cfg, impls)
+                h = h + _moe_ffn(p["mlp"], experts, xs["index"], x, cfg, impls, active_B)
             feats = jnp.where((wanted == xs["layer"])[:, None, None, None], h[None], feats)
             return (h, feats), rows
 
@@ -198,14 +211,18 @@ def forward_tail(
     visibility_BTT,
     impls: ops.Impls,
     hidden_layer_ids=(),
+    active_B=None,
 ):
     """Absorbed-MLA forward of T new tokens per sequence (decode T=1, tree verify T=B+1).
 
     Row t attends to cache rows [0, prefix_len) and to the tail rows u with visibility[t, u].
-    cache [layers, B, S_max, R+Dr] is only read. Returns (logits f32 [B,T,V], the tail's latent rows
-    [layers,B,T,R+Dr], hidden states [n_ids,B,T,D]).
+    cache [layers, B, S_max, R+Dr] is only read. active_B (bool [B], optional): the sequences whose outputs are
+    used; the others read no cache rows and no experts, so a batch with finished slots costs about what its live
+    ones do. Returns (logits f32 [B,T,V], the tail's latent rows [layers,B,T,R+Dr], hidden states [n_ids,B,T,D]).
     """
     rope = L.rope_inv_freq(cfg)
+    if active_B is not None:
+        prefix_len_B = jnp.where(active_B, prefix_len_B, 0)
 
     def attend(attn, x, layer):
         with jax.named_scope("mla_in"):
@@ -217,5 +234,5 @@ def forward_tail(
         with jax.named_scope("mla_out"):
             return L.mla_absorbed_output(attn, o_lat), rows
 
-    h, rows, feats = run_layers(params, cfg, embed_tokens(params, ids_BT), attend, impls, hidden_layer_ids)
+    h, rows, feats = run_layers(params, cfg, embed_tokens(params, ids_BT), attend, impls, hidden_layer_ids, active_B)
     return lm_logits(params, cfg, h), rows, feats
