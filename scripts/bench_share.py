@@ -155,33 +155,60 @@ class Bench:
         spec = dict(drafter=drafter, acceptor=acceptor) if v.method != "ar" else {}
         return engine.Decoder(s.cfg, s.dcfg if v.method != "ar" else None, sc, impls or self.impls, **spec)
 
-    def state(self, v: Variant):
+    def _fill(self, v: Variant):
         dec = self.decoder(v)
         need = v.context + (self.args.steps + 2) * dec.sc.block_size + v.budget + 1
-        fill = functools.partial(
+        return functools.partial(
             bench_e2e.synthetic_state, cfg=dec.cfg, dcfg=dec.dcfg, sc=dec.sc, C=v.C, S=-(-need // 64) * 64,
             context=v.context, dtype=self.dtype,
         )  # fmt: skip
-        return jax.jit(fill)(jax.random.key(self.args.seed + v.C))
 
-    def measure(self, v: Variant, params, dparams) -> dict:
-        dec, state = self.decoder(v), self.state(v)
-        start = time.perf_counter()
-        compiled = dec.compile("run", params, dparams, state, num_steps=self.args.steps)
-        row = {"kind": "step", "variant": v.name, **dataclasses.asdict(v), "compile_s": time.perf_counter() - start}
+    def _key(self, v: Variant):
+        return jax.random.key(self.args.seed + v.C)
+
+    def compile_all(self, variants: list[Variant], params, dparams) -> dict:
+        """Every variant's timed program ("run" of --steps steps) and, per (method, budget, C), one step that reports
+        its expert ids to a probe (routing does not depend on the context), compiled in parallel threads before
+        anything is timed: {("run", v) | ("probe", v.method, v.budget, v.C): (executable, seconds) or an error}."""
+
+        def timed(compile_fn):
+            start = time.perf_counter()
+            return compile_fn(), time.perf_counter() - start
+
+        jobs, self.probes = {}, {}
+        for v in variants:
+            state = jax.eval_shape(self._fill(v), self._key(v))
+            dec = self.decoder(v)
+            jobs[("run", v)] = functools.partial(
+                timed, lambda d=dec, st=state: d.compile("run", params, dparams, st, num_steps=self.args.steps)
+            )
+            key = ("probe", v.method, v.budget, v.C)
+            if self.share.cfg.n_routed_experts and key not in jobs:
+                self.probes[key] = probe = routing.ExpertProbe(self.share.cfg.n_routed_experts)
+                pdec = self.decoder(v, dataclasses.replace(self.impls, probe=probe))
+                jobs[key] = functools.partial(timed, lambda d=pdec, st=state: d.compile("step", params, dparams, st))
+        return harness.compile_all(jobs, workers=self.args.compile_workers)
+
+    def measure(self, v: Variant, params, dparams, compiled: dict) -> dict:
+        entry = compiled[("run", v)]
+        if isinstance(entry, Exception):
+            raise entry
+        exe, compile_s = entry
+        row = {"kind": "step", "variant": v.name, **dataclasses.asdict(v), "compile_s": compile_s}
         reset = functools.partial(bench_e2e.reset_state, C=v.C, context=v.context, sharding=None)
-        carry = [jax.block_until_ready(compiled(params, dparams, reset(state)))]
+        state = jax.jit(self._fill(v))(self._key(v))
+        carry = [jax.block_until_ready(exe(params, dparams, reset(state)))]
 
         def run(_):
-            carry[0] = compiled(params, dparams, reset(carry[0]))
+            carry[0] = exe(params, dparams, reset(carry[0]))
             return carry[0]
 
         steps = self.args.steps
         reps = harness.time_calls(run, calls=1, per_call=steps, repeats=self.args.repeats, warmup=False)
         accept = np.asarray(carry[0].accept_lens)[:steps]
         if self.args.profile:
-            row["trace"] = self.trace(v, compiled, run)
-        touched = self.touched(v, params, dparams, carry[0])
+            row["trace"] = self.trace(v, exe, run)
+        touched = self.touched(v, params, dparams, carry[0], compiled)
         step_ms = 1e3 * statistics.median(reps)
         tau = float(accept.mean()) if v.method != "ar" else 1.0
         row.update(step_ms=step_ms, step_ms_reps=[1e3 * t for t in reps], tau_realised=tau, touched_experts=touched)
@@ -189,13 +216,16 @@ class Bench:
         row["tok_s"] = tau * v.C / (row["projected_step_ms"] / 1e3)
         return row
 
-    def touched(self, v: Variant, params, dparams, state) -> dict | None:
-        """Distinct routed experts per MoE layer in one probed step: all of them, and device 0's range."""
-        if not self.share.cfg.n_routed_experts:
+    def touched(self, v: Variant, params, dparams, state, compiled: dict) -> dict | None:
+        """Distinct routed experts per MoE layer in one probed step: all of them, and device 0's range (None
+        without routed experts or a probe program: the floor then takes uniform routing)."""
+        key = ("probe", v.method, v.budget, v.C)
+        entry = compiled.get(key)
+        if entry is None or isinstance(entry, Exception):
             return None
-        probe = routing.ExpertProbe(self.share.cfg.n_routed_experts)
-        dec = self.decoder(v, dataclasses.replace(self.impls, probe=probe))
-        jax.block_until_ready(dec.step(params, dparams, state))
+        probe = self.probes[key]
+        probe.clear()
+        jax.block_until_ready(entry[0](params, dparams, state))
         return probe.touched(self.args.gpus)
 
     def floors(self, v: Variant, touched, step_ms: float) -> dict:
@@ -276,6 +306,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile-workers", type=int, default=8)
     ap.add_argument("--collective-us", type=float, default=10.0, help="latency per collective, microseconds")
     ap.add_argument("--nvlink-GBps", type=float, default=360.0, help="all-reduce bus bandwidth per GPU, GB/s")
     ap.add_argument("--profile", default=None, help="write jax.profiler traces here and break each step down")
@@ -301,18 +332,25 @@ def main(argv=None) -> int:
         params, router = balance(bench.share, params, args.seed)
         print(f"[share] depth {layers}: parameters and router in {time.perf_counter() - start:.1f}s", flush=True)
         record["rows"].append({"kind": "router", "layers": layers, **(router or {})})
-        for context in args.contexts:
-            for C in args.concurrency:
-                for method in args.methods:
-                    v = Variant(layers, method, args.budget if method == "ddtree" else 0, C, context)
-                    try:
-                        row = bench.measure(v, params, dparams)
-                    except Exception as error:  # noqa: BLE001 -- one device call: keep every other figure
-                        row = {"kind": "step", "variant": v.name, **dataclasses.asdict(v)}
-                        row["error"] = harness.error_text(error, 2000)
-                    record["rows"].append(row)
-                    print(_line(row), flush=True)
-                    harness.write_json(record, args.out)
+        variants = [
+            Variant(layers, method, args.budget if method == "ddtree" else 0, C, context)
+            for context in args.contexts
+            for C in args.concurrency
+            for method in args.methods
+        ]
+        start = time.perf_counter()
+        compiled = bench.compile_all(variants, params, dparams)
+        print(f"[share] depth {layers}: {len(compiled)} programs compiled in {time.perf_counter() - start:.1f}s")
+        for v in variants:
+            try:
+                row = bench.measure(v, params, dparams, compiled)
+            except Exception as error:  # noqa: BLE001 -- one device call: keep every other figure
+                row = {"kind": "step", "variant": v.name, **dataclasses.asdict(v)}
+                row["error"] = harness.error_text(error, 2000)
+            record["rows"].append(row)
+            print(_line(row), flush=True)
+            harness.write_json(record, args.out)
+        del compiled
         del params, dparams
     record["rows"] += project(record["rows"], args)
     harness.write_json(record, args.out)
