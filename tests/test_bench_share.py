@@ -58,7 +58,10 @@ def test_share_bench_measures_ar_and_ddtree_with_floors_and_projects_61_layers(i
     bench = import_script("bench_share")
     out = tmp_path / "share.json"
     args = ["--preset", "tiny", "--layers", "3", "2", "--contexts", "128", "--concurrency", "1"]
-    assert bench.main(args + ["--steps", "2", "--repeats", "1", "--out", str(out)]) == 0
+    assert (
+        bench.main(args + ["--steps", "2", "--repeats", "1", "--profile", str(tmp_path / "trace"), "--out", str(out)])
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     steps = [r for r in rows if r["kind"] == "step"]
     assert {(r["method"], r["layers"]) for r in steps} == {("ar", 3), ("ddtree", 3), ("ar", 2), ("ddtree", 2)}
@@ -70,6 +73,7 @@ def test_share_bench_measures_ar_and_ddtree_with_floors_and_projects_61_layers(i
         local = r["touched_experts"]["first_shard"]  # device 0's experts that the step's picks fell on
         assert 0 <= local <= local_experts and (local > 0 or r["method"] == "ar")
         assert (r["tau_realised"] > 1) == (r["method"] == "ddtree")
+        assert {"verify/attention", "verify/moe", "verify/router"} <= set(r["trace"]["phases"])  # where time goes
     proj = [r for r in rows if r["kind"] == "projection"]
     assert {(r["method"], r["layers"], tuple(r["depths"])) for r in proj} == {(m, 61, (2, 3)) for m in ("ar", "ddtree")}
     assert [r for r in rows if r["kind"] == "router"][0]["imbalance_balanced"] >= 1.0
