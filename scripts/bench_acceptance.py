@@ -31,6 +31,7 @@ Print the markdown of a record:  python scripts/bench_acceptance.py --print [--o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import json
@@ -239,7 +240,7 @@ def read_record(path: str) -> dict:
         return {}
     with open(path) as f:
         record = json.load(f)
-    return record if isinstance(record, dict) and set(record) <= {"acceptance", "speed"} else {}
+    return record if isinstance(record, dict) and set(record) <= {"acceptance", "speed", "synthetic"} else {}
 
 
 def open_section(args, name: str, settings: dict) -> dict:
@@ -493,6 +494,9 @@ def parse_args(argv=None):
     parser.add_argument("--deadline-min", type=float, default=float("inf"), help="start no configuration after")
     parser.add_argument("--resume", action="store_true", help="keep --out's rows of the same settings, do the rest")
     parser.add_argument("--print", action="store_true", help="print the markdown of --out and exit")
+    parser.add_argument(
+        "--fit-synthetic", action="store_true", help="fit k26jax.synthetic's profile to --out's T = 0 curve and exit"
+    )
     parser.add_argument("--any-python", action="store_true", help="accept a stdlib that differs from data/'s list")
     harness.add_record_args(parser, DEFAULT_OUT)
     args = parser.parse_args(argv)
@@ -503,10 +507,47 @@ def parse_args(argv=None):
     return args
 
 
+def fit_synthetic(args) -> dict:
+    """The calibrated synthetic drafter (k26jax.synthetic, the benchmarks' acceptance model) against this record's
+    measured T = 0 curve: the profile fitted to the chain's tau alone (its default Zipf tail) and the one whose tail
+    is fitted to the DDTree curve as well, each one's predicted curve, and what each tail predicts at K2.6 scale
+    (chain tau 5.3 at b = 8, vocabulary 163840). The model assumes a calibrated drafter, so it flatters trees."""
+    from k26jax import synthetic
+    from k26jax.config import ModelConfig
+
+    acc = read_record(args.out).get("acceptance")
+    if not acc:
+        sys.exit(f"error: {args.out} has no acceptance section to fit (run this script without --fit-synthetic)")
+    zero = [r for r in acc["rows"] if r["temperature"] == 0.0 and isinstance(r["budget"], int)]
+    chain = next(r["tau"] for r in zero if r["method"] == "chain")
+    measured = {r["budget"]: r["tau"] for r in zero if r["method"] == "ddtree"}
+    block, vocab = acc["settings"]["drafter_block_size"], ModelConfig.from_hf_dir(args.ckpt).vocab_size
+    fits = {
+        "chain_only": synthetic.fit_profile(chain, block, vocab=vocab),
+        "chain_and_tree": synthetic.fit_profile(chain, block, vocab=vocab, tree_tau=measured),
+    }
+    section = {**harness.record_header(commit=args.commit), "measured": {"chain": chain, **measured}}
+    for name, profile in fits.items():
+        curve = synthetic.tau_curve(profile, tuple(measured), block_size=block)
+        k26 = synthetic.fit_profile(5.3, 8, vocab=163840, tail=profile.tail)
+        section[name] = {
+            "profile": dataclasses.asdict(profile),
+            "predicted": {"chain": curve["chain"], **{b: curve[b] for b in measured}},
+            "k26_chain_5.3": synthetic.tau_curve(k26, (16, 32, 64, 128)),
+        }
+        print(f"{name}: tail {profile.tail:.2f}; B: measured -> predicted " + ", ".join(
+            f"{b}: {measured[b]:.2f} -> {curve[b]:.2f}" for b in sorted(measured)))  # fmt: skip
+    return section
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.print:
         print(markdown(read_record(args.out)))
+        return
+    if args.fit_synthetic:
+        save_section(args, "synthetic", fit_synthetic(args))
+        print(f"wrote {args.out}'s synthetic section")
         return
     if not os.path.isdir(os.path.join(args.ckpt, "drafter")):
         sys.exit(f"error: {args.ckpt} is not a checkpoint with a drafter/ (train it: scripts/train_mini.py)")

@@ -1,6 +1,7 @@
 """The calibrated synthetic drafter: its law, its expected accept lengths, and the real engine step with it."""
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -11,6 +12,8 @@ import pytest
 from k26jax import engine, ops, synthetic
 from k26jax.config import preset
 from k26jax.model import target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 IMPLS = ops.Impls()
 V = 1024  # the tiny preset's vocabulary
@@ -171,3 +174,25 @@ def test_engine_chain_tau_is_the_target(tiny, profile):
 def test_engine_ddtree_tau(tiny, profile, curve):
     lens, _ = run_engine(tiny, profile, "ddtree", 16, C=8, steps=12)
     assert abs(lens.mean() - curve[16]) < 4 * lens.std() / np.sqrt(lens.size), (lens.mean(), curve[16])
+
+
+def test_bench_acceptance_fits_the_synthetic_drafter_to_the_mini_pairs_curve(import_script, tmp_path):
+    """scripts/bench_acceptance.py --fit-synthetic on the committed record: both profiles reproduce the chain's
+    measured tau, and fitting the tail to the tree curve brings the predicted curve closer to the measured one."""
+    import json
+    import shutil
+
+    bench = import_script("bench_acceptance")
+    out = tmp_path / "acc.json"
+    shutil.copy(os.path.join(ROOT, "bench", "results", "acceptance_mini.json"), out)
+    bench.main(["--fit-synthetic", "--out", str(out)])
+    fit = json.loads(out.read_text())["synthetic"]
+    measured = {k: v for k, v in fit["measured"].items() if k != "chain"}
+
+    def error(name):
+        return sum((fit[name]["predicted"][b] - t) ** 2 for b, t in measured.items())
+
+    for name in ("chain_only", "chain_and_tree"):
+        assert fit[name]["predicted"]["chain"] == pytest.approx(fit["measured"]["chain"], abs=1e-3)
+        assert fit[name]["k26_chain_5.3"]["chain"] == pytest.approx(5.3, abs=1e-3)
+    assert error("chain_and_tree") < error("chain_only") and len(measured) >= 4
