@@ -233,39 +233,11 @@ class Setup:
         return {"compiled": compiled, "compile_s": time.perf_counter() - start}
 
     def balance(self, params):
-        """params with each MoE layer's router bias balanced over a calibration batch of random tokens
-        (routing.balance_bias), and the record of it."""
+        """params with each MoE layer's router bias balanced (`balance_router`), and the record of it."""
         if not self.cfg.n_routed_experts:
             return params, None
-        rng = np.random.default_rng(self.args.seed)
-        ids = rng.integers(0, self.cfg.vocab_size, (4, 256)).astype(np.int32)
-        lengths = np.full((4,), 256, np.int32)
-        prefill = jax.jit(functools.partial(api._prefill, cfg=self.cfg, impls=self.probe_impls, hidden_layer_ids=()))
-        bias_leaf = params["moe"]["mlp"]["router_bias"]
-
-        def with_bias(bias):
-            mlp = dict(
-                params["moe"]["mlp"], router_bias=jax.device_put(bias.astype(bias_leaf.dtype), bias_leaf.sharding)
-            )
-            return {**params, "moe": {**params["moe"], "mlp": mlp}}
-
-        def loads(bias):
-            self.probe.clear()
-            jax.block_until_ready(prefill(with_bias(bias), ids, lengths))
-            return self.probe.loads(bias_leaf.shape[0])
-
-        start = time.perf_counter()
-        bias, before, after = routing.balance_bias(loads, np.asarray(bias_leaf, np.float32))
-        self.probe.clear()
-        record = {
-            "kind": "router",
-            "layers": self.layers,
-            "calibration_tokens": int(ids.size),
-            "imbalance_random": before,
-            "imbalance_balanced": after,
-            "seconds": time.perf_counter() - start,
-        }
-        return with_bias(bias), record
+        params, record = balance_router(params, self.cfg, self.probe_impls, self.args.seed)
+        return params, {"kind": "router", "layers": self.layers, **record}
 
     def tau(self, v: Variant) -> float:
         return method_tau(self.args, v.method, v.budget, self.profile)
@@ -273,6 +245,66 @@ class Setup:
     def build_fn(self, v: Variant):
         sc, impls = self.step_config(v), self.impls
         return jax.jit(lambda logits: _build_with_visibility(logits, sc, impls))
+
+
+def balance_router(params, cfg, probe_impls: ops.Impls, seed: int):
+    """params with each MoE layer's router bias balanced (routing.balance_bias) over a calibration batch of random
+    tokens, as a trained K2.6's is (an unbalanced random router crowds tokens onto few experts and lets a step read
+    less than a real one), and the record of it. probe_impls: the model's Impls with an ExpertProbe."""
+    probe = probe_impls.probe
+    ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (4, 256)).astype(np.int32)
+    lengths = np.full((4,), 256, np.int32)
+    prefill = functools.partial(api._prefill_jit, cfg=cfg, impls=probe_impls, hidden_layer_ids=())
+    bias_leaf = params["moe"]["mlp"]["router_bias"]
+
+    def with_bias(bias):
+        bias = jax.device_put(bias.astype(bias_leaf.dtype), bias_leaf.sharding)
+        return {**params, "moe": {**params["moe"], "mlp": dict(params["moe"]["mlp"], router_bias=bias)}}
+
+    def loads(bias):
+        probe.clear()
+        jax.block_until_ready(prefill(with_bias(bias), ids, lengths))
+        return probe.loads(bias_leaf.shape[0])
+
+    start = time.perf_counter()
+    bias, before, after = routing.balance_bias(loads, np.asarray(bias_leaf, np.float32))
+    probe.clear()
+    record = {
+        "calibration_tokens": int(ids.size),
+        "imbalance_random": before,
+        "imbalance_balanced": after,
+        "seconds": time.perf_counter() - start,
+    }
+    return with_bias(bias), record
+
+
+def time_steps(compiled, params, dparams, state, *, reset, steps: int, repeats: int, profile=None, layers=None):
+    """`compiled` (a Decoder "run" of `steps` steps) once as a warm-up, then `repeats` timed calls, each from
+    reset(state); profile (a directory): one more call under jax.profiler, broken down by scripts/trace_report.py
+    (`layers` decoder layers a step). Returns ({reps: seconds a step, steps, first_call_s, accept: the last call's
+    accept lengths, trace}, the state after)."""
+    start = time.perf_counter()
+    carry = [jax.block_until_ready(compiled(params, dparams, reset(state)))]
+    first = time.perf_counter() - start
+
+    def run(_):  # `steps` steps from the reset state; the state is donated, so it is carried along
+        carry[0] = compiled(params, dparams, reset(carry[0]))
+        return carry[0]
+
+    reps = harness.time_calls(run, calls=1, per_call=steps, repeats=repeats, warmup=False)
+    trace = None
+    if profile:  # one more call under the profiler, after the timed ones (named scopes per phase)
+        with jax.profiler.trace(profile):
+            jax.block_until_ready(run(None))
+        hlo = compiled.as_text()
+        with open(os.path.join(profile, "program.hlo.txt"), "w") as f:
+            f.write(hlo)
+        try:
+            trace = trace_report.analyse(profile, hlo, layers=None if layers is None else layers * steps)
+        except (OSError, ValueError) as error:  # the timing stands without its breakdown
+            trace = {"error": f"{type(error).__name__}: {error}"}
+    accept = np.asarray(carry[0].accept_lens)[:steps]
+    return {"reps": reps, "steps": steps, "first_call_s": first, "accept": accept, "trace": trace}, carry[0]
 
 
 def _with_sharding(tree, shardings):
@@ -741,35 +773,13 @@ class Runner:
         return row
 
     def _time(self, compiled, params, dparams, state, v: Variant, s: Setup):
-        """One call of --steps steps (warm-up), then --repeats more; seconds per step."""
-
+        """One call of --steps steps (warm-up), then --repeats more; seconds per step (`time_steps`)."""
+        where = os.path.join(self.args.profile, f"{v.name}_C{v.C}_ctx{v.context}") if self.args.profile else None
         reset = functools.partial(reset_state, C=v.C, context=v.context, sharding=s.replicated)
-        steps = self.args.steps
-        start = time.perf_counter()
-        state = jax.block_until_ready(compiled(params, dparams, reset(state)))
-        first = time.perf_counter() - start
-        carry = [state]
-
-        def run(_):  # `steps` steps from the reset state; the state is donated, so it is carried along
-            carry[0] = compiled(params, dparams, reset(carry[0]))
-            return carry[0]
-
-        reps = harness.time_calls(run, calls=1, per_call=steps, repeats=self.args.repeats, warmup=False)
-        trace = None
-        if self.args.profile:  # one more call under the profiler, after the timed ones (named scopes per phase)
-            where = os.path.join(self.args.profile, f"{v.name}_C{v.C}_ctx{v.context}")
-            with jax.profiler.trace(where):
-                jax.block_until_ready(run(None))
-            hlo = compiled.as_text()
-            with open(os.path.join(where, "program.hlo.txt"), "w") as f:
-                f.write(hlo)
-            try:
-                trace = trace_report.analyse(where, hlo, layers=v.layers * steps)
-            except (OSError, ValueError) as error:  # the timing stands without its breakdown
-                trace = {"error": f"{type(error).__name__}: {error}"}
-        state = carry[0]
-        accept = np.asarray(state.accept_lens)[:steps]
-        return {"reps": reps, "steps": steps, "first_call_s": first, "accept": accept, "trace": trace}, state
+        return time_steps(
+            compiled, params, dparams, state, reset=reset, steps=self.args.steps, repeats=self.args.repeats,
+            profile=where, layers=v.layers,
+        )  # fmt: skip
 
     def touched(self, v: Variant, state):
         """Experts each MoE layer of two probe steps of v touched (routing.ExpertProbe) and the state after them, or

@@ -40,9 +40,8 @@ import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
-import trace_report
 
-from k26jax import api, engine, ops, routing, synthetic
+from k26jax import engine, ops, routing, synthetic
 from k26jax.model import drafter as drafter_lib
 from k26jax.model import params as param_table
 from k26jax.model.layers import mm, rms_norm
@@ -97,42 +96,7 @@ class Share:
         )()
 
 
-def balance(share: Share, params, seed: int):
-    """params with each MoE layer's router bias balanced over a calibration batch of random tokens, and the
-    record of it (bench_e2e's procedure on the share)."""
-    if not share.cfg.n_routed_experts:
-        return params, None
-    probe = routing.ExpertProbe(share.cfg.n_routed_experts)
-    impls = dataclasses.replace(ops.Impls.auto(), probe=probe)
-    ids = np.random.default_rng(seed).integers(0, share.cfg.vocab_size, (4, 256)).astype(np.int32)
-    lengths = np.full((4,), 256, np.int32)
-    prefill = functools.partial(api._prefill_jit, cfg=share.cfg, impls=impls, hidden_layer_ids=())
-    leaf = params["moe"]["mlp"]["router_bias"]
-
-    def with_bias(bias):
-        mlp = dict(params["moe"]["mlp"], router_bias=jnp.asarray(bias, leaf.dtype))
-        return {**params, "moe": {**params["moe"], "mlp": mlp}}
-
-    def loads(bias):
-        probe.clear()
-        jax.block_until_ready(prefill(with_bias(bias), ids, lengths))
-        return probe.loads(leaf.shape[0])
-
-    bias, before, after = routing.balance_bias(loads, np.asarray(leaf, np.float32))
-    return with_bias(bias), {"imbalance_random": before, "imbalance_balanced": after, "tokens": int(ids.size)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    layers: int
-    method: str
-    budget: int
-    C: int
-    context: int
-
-    @property
-    def name(self) -> str:
-        return f"ddtree{self.budget}" if self.method == "ddtree" else self.method
+Variant = bench_e2e.Variant  # layers, method, budget, C, context (no skipped phases here)
 
 
 class Bench:
@@ -195,24 +159,21 @@ class Bench:
             raise entry
         exe, compile_s = entry
         row = {"kind": "step", "variant": v.name, **dataclasses.asdict(v), "compile_s": compile_s}
-        reset = functools.partial(bench_e2e.reset_state, C=v.C, context=v.context, sharding=None)
-        state = jax.jit(self._fill(v))(self._key(v))
-        carry = [jax.block_until_ready(exe(params, dparams, reset(state)))]
-
-        def run(_):
-            carry[0] = exe(params, dparams, reset(carry[0]))
-            return carry[0]
-
-        steps = self.args.steps
-        reps = harness.time_calls(run, calls=1, per_call=steps, repeats=self.args.repeats, warmup=False)
-        accept = np.asarray(carry[0].accept_lens)[:steps]
+        where = None
         if self.args.profile:
-            row["trace"] = self.trace(v, exe, run)
-        touched = self.touched(v, params, dparams, carry[0], compiled)
-        step_ms = 1e3 * statistics.median(reps)
-        tau = float(accept.mean()) if v.method != "ar" else 1.0
-        row.update(step_ms=step_ms, step_ms_reps=[1e3 * t for t in reps], tau_realised=tau, touched_experts=touched)
-        row.update(self.floors(v, touched, step_ms))
+            where = os.path.join(self.args.profile, f"share_d{self.layers}_{v.name}_C{v.C}_ctx{v.context}")
+        timing, state = bench_e2e.time_steps(
+            exe, params, dparams, jax.jit(self._fill(v))(self._key(v)),
+            reset=functools.partial(bench_e2e.reset_state, C=v.C, context=v.context, sharding=None),
+            steps=self.args.steps, repeats=self.args.repeats, profile=where, layers=v.layers,
+        )  # fmt: skip
+        if timing["trace"] is not None:
+            row["trace"] = timing["trace"]
+        touched = self.touched(v, params, dparams, state, compiled)
+        step_ms = 1e3 * statistics.median(timing["reps"])
+        tau = float(timing["accept"].mean()) if v.method != "ar" else 1.0
+        row.update(step_ms=step_ms, step_ms_reps=[1e3 * t for t in timing["reps"]], tau_realised=tau)
+        row.update(touched_experts=touched, **self.floors(v, touched, step_ms))
         row["tok_s"] = tau * v.C / (row["projected_step_ms"] / 1e3)
         return row
 
@@ -252,18 +213,6 @@ class Bench:
             collective_ms=coll_ms,
             projected_step_ms=step_ms + coll_ms,
         )
-
-    def trace(self, v: Variant, compiled, run) -> dict:
-        where = os.path.join(self.args.profile, f"share_d{self.layers}_{v.name}_C{v.C}_ctx{v.context}")
-        with jax.profiler.trace(where):
-            jax.block_until_ready(run(None))
-        hlo = compiled.as_text()
-        with open(os.path.join(where, "program.hlo.txt"), "w") as f:
-            f.write(hlo)
-        try:
-            return trace_report.analyse(where, hlo, layers=v.layers * self.args.steps)
-        except (OSError, ValueError) as error:  # the timing stands without its breakdown
-            return {"error": f"{type(error).__name__}: {error}"}
 
 
 def project(rows: list[dict], args) -> list[dict]:
@@ -329,7 +278,11 @@ def main(argv=None) -> int:
         bench = Bench(args, layers, ceil)
         start = time.perf_counter()
         params, dparams = jax.block_until_ready(bench.share.init(args.seed, bench.dtype))
-        params, router = balance(bench.share, params, args.seed)
+        router = None
+        if bench.share.cfg.n_routed_experts:
+            probe = routing.ExpertProbe(bench.share.cfg.n_routed_experts)
+            probe_impls = dataclasses.replace(bench.impls, probe=probe)
+            params, router = bench_e2e.balance_router(params, bench.share.cfg, probe_impls, args.seed)
         print(f"[share] depth {layers}: parameters and router in {time.perf_counter() - start:.1f}s", flush=True)
         record["rows"].append({"kind": "router", "layers": layers, **(router or {})})
         variants = [
