@@ -139,7 +139,7 @@ class Bench:
             start = time.perf_counter()
             return compile_fn(), time.perf_counter() - start
 
-        jobs, self.probes = {}, {}
+        jobs, self.probes, self.probe_states = {}, {}, {}
         for v in variants:
             state = jax.eval_shape(self._fill(v), self._key(v))
             dec = self.decoder(v)
@@ -149,6 +149,7 @@ class Bench:
             key = ("probe", v.method, v.budget, v.C)
             if self.share.cfg.n_routed_experts and key not in jobs:
                 self.probes[key] = probe = routing.ExpertProbe(self.share.cfg.n_routed_experts)
+                self.probe_states[key] = (self._fill(v), self._key(v))  # its own shapes: the context may differ
                 pdec = self.decoder(v, dataclasses.replace(self.impls, probe=probe))
                 jobs[key] = functools.partial(timed, lambda d=pdec, st=state: d.compile("step", params, dparams, st))
         return harness.compile_all(jobs, workers=self.args.compile_workers)
@@ -169,7 +170,7 @@ class Bench:
         )  # fmt: skip
         if timing["trace"] is not None:
             row["trace"] = timing["trace"]
-        touched = self.touched(v, params, dparams, state, compiled)
+        touched = self.touched(v, params, dparams, compiled)
         step_ms = 1e3 * statistics.median(timing["reps"])
         tau = float(timing["accept"].mean()) if v.method != "ar" else 1.0
         row.update(step_ms=step_ms, step_ms_reps=[1e3 * t for t in timing["reps"]], tau_realised=tau)
@@ -177,16 +178,16 @@ class Bench:
         row["tok_s"] = tau * v.C / (row["projected_step_ms"] / 1e3)
         return row
 
-    def touched(self, v: Variant, params, dparams, state, compiled: dict) -> dict | None:
+    def touched(self, v: Variant, params, dparams, compiled: dict) -> dict | None:
         """Distinct routed experts per MoE layer in one probed step: all of them, and device 0's range (None
         without routed experts or a probe program: the floor then takes uniform routing)."""
         key = ("probe", v.method, v.budget, v.C)
         entry = compiled.get(key)
         if entry is None or isinstance(entry, Exception):
             return None
-        probe = self.probes[key]
+        probe, (fill, fill_key) = self.probes[key], self.probe_states[key]
         probe.clear()
-        jax.block_until_ready(entry[0](params, dparams, state))
+        jax.block_until_ready(entry[0](params, dparams, jax.jit(fill)(fill_key)))
         return probe.touched(self.args.gpus)
 
     def floors(self, v: Variant, touched, step_ms: float) -> dict:

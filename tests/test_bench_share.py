@@ -57,14 +57,17 @@ def test_share_draft_context_is_the_drafters_on_a_whole_fc(import_script):
 def test_share_bench_measures_ar_and_ddtree_with_floors_and_projects_61_layers(import_script, tmp_path):
     bench = import_script("bench_share")
     out = tmp_path / "share.json"
-    args = ["--preset", "tiny", "--layers", "3", "2", "--contexts", "128", "--concurrency", "1"]
+    args = ["--preset", "tiny", "--layers", "3", "2", "--contexts", "128", "256", "--concurrency", "1"]
     assert (
         bench.main(args + ["--steps", "2", "--repeats", "1", "--profile", str(tmp_path / "trace"), "--out", str(out)])
         == 0
     )
     rows = json.loads(out.read_text())["rows"]
     steps = [r for r in rows if r["kind"] == "step"]
-    assert {(r["method"], r["layers"]) for r in steps} == {("ar", 3), ("ddtree", 3), ("ar", 2), ("ddtree", 2)}
+    # two contexts: each variant's probe step runs on a state of its own shapes
+    assert {(r["method"], r["layers"], r["context"]) for r in steps} == {
+        (m, n, ctx) for m in ("ar", "ddtree") for n in (3, 2) for ctx in (128, 256)
+    }
     local_experts = CFG.n_routed_experts // 8
     for r in steps:
         assert "error" not in r, r.get("error")
@@ -75,5 +78,7 @@ def test_share_bench_measures_ar_and_ddtree_with_floors_and_projects_61_layers(i
         assert (r["tau_realised"] > 1) == (r["method"] == "ddtree")
         assert {"verify/attention", "verify/moe", "verify/router"} <= set(r["trace"]["phases"])  # where time goes
     proj = [r for r in rows if r["kind"] == "projection"]
-    assert {(r["method"], r["layers"], tuple(r["depths"])) for r in proj} == {(m, 61, (2, 3)) for m in ("ar", "ddtree")}
+    assert {(r["method"], r["context"], r["layers"], tuple(r["depths"])) for r in proj} == {
+        (m, ctx, 61, (2, 3)) for m in ("ar", "ddtree") for ctx in (128, 256)
+    }
     assert [r for r in rows if r["kind"] == "router"][0]["imbalance_balanced"] >= 1.0
