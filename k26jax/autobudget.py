@@ -18,6 +18,7 @@ the drafter is overconfident), and E[tau] = 1 + sum_a g(S_a).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -126,15 +127,15 @@ class AutoDecoder:
         return self.decoders[0].insert(*args)
 
     def prepare(self, params, dparams, state, progress=None) -> Policy:
-        """Compile each candidate's step for this state's batch and cache (once per shapes; progress(msg) is told
-        of each) and use those shapes' policy, whose timings persist across calls."""
+        """Compile every candidate's step for this state's batch and cache, in parallel threads (once per shapes;
+        progress(msg) is told) and use those shapes' policy, whose timings persist across calls."""
         key = (state.root.shape[0], state.cache.rows.shape, str(state.cache.rows.dtype))
         if key not in self._prepared:
-            exes = []
-            for i, d in enumerate(self.decoders):
-                if progress:
-                    progress(f"compiling candidate step {i + 1}/{len(self.decoders)} ({label(self.candidates[i])})")
-                exes.append(d.compile("step", params, dparams, state))
+            if progress:
+                names = ", ".join(map(label, self.candidates))
+                progress(f"compiling {len(self.decoders)} candidate steps in parallel ({names})")
+            with concurrent.futures.ThreadPoolExecutor(len(self.decoders)) as pool:
+                exes = list(pool.map(lambda d: d.compile("step", params, dparams, state), self.decoders))
             self._prepared[key] = (exes, Policy(self.candidates))
         self.executables, self.policy = self._prepared[key]
         self.choice = self.policy.choose(np.zeros((1, len(self.candidates), 1)), np.ones(1))
