@@ -5,11 +5,13 @@ one tree build at the largest budget, the survival S [C, nB, L] of every candida
 host reads it with the step's tokens (the one small transfer a step its loops already make) and runs the next
 step with argmax_B sum_c E[tau_c](B) / t(B): the choice is one step stale and costs no device sync.
 
-t(B) is measured, not modelled: the exponential average of that candidate's recent step times in this process
-(dispatch to its tokens on the host) for this batch and cache size. Each candidate is tried twice first (an
-executable's first run carries one-off costs), and the least recently timed one is retried every `explore_every`
-steps, since the costs move as contexts grow. Every candidate is lossless, so trying one changes speed, never the
-tokens at temperature 0.
+t(B) is measured, not modelled: the exponential average of that candidate's step times in this process (dispatch
+to its tokens on the host) for this batch and cache size, taken only from steps that follow a step of the same
+candidate. A step that follows another candidate's costs more (on the GPU about a quarter of a step: running a
+different executable), so that extra is measured on its own and the policy switches only when the better rate
+repays it within `horizon` steps. Each candidate is tried first (a switch step, then two timed ones), and every
+`explore_every` steps the least recently timed one is tried again, since the costs move as contexts grow. Every
+candidate is lossless, so trying one changes speed, never the tokens at temperature 0.
 
 Calibration: each step's predicted S_a of the tree it verified is paired with whether that slot's accept length
 reached a + 1; every `refit_every` steps `budget.calibrate` refits g(S) = S^gamma over the pairs so far (gamma > 1:
@@ -30,6 +32,7 @@ from k26jax import budget, engine
 CANDIDATES = budget.CANDIDATES
 EMA = 0.3  # weight of the newest step time
 MAX_PAIRS = 1 << 16  # calibration pairs kept (the newest)
+TRIAL = 2  # timed steps a candidate runs when it is tried
 
 
 def label(candidate) -> str:
@@ -38,12 +41,17 @@ def label(candidate) -> str:
     return method if method == "chain" else f"{method}{b}"
 
 
+def _ema(old, new):
+    return new if old is None else (1 - EMA) * old + EMA * new
+
+
 @dataclasses.dataclass
 class Policy:
     """The host side of budget="auto" for one batch and cache size: step times, calibration, the choice."""
 
     candidates: tuple
-    explore_every: int = 32
+    explore_every: int = 256
+    horizon: int = 64
     refit_every: int = 16
     gamma: float = 1.0
     steps: int = 0
@@ -52,9 +60,14 @@ class Policy:
 
     def __post_init__(self):
         n = len(self.candidates)
-        self.seconds = [None] * n  # EMA step time per candidate (None: not timed yet)
+        self.seconds = [None] * n  # EMA of each candidate's step time after a step of itself (None: not yet)
         self.timed_at = [-1] * n  # the step count when each was last timed
         self.counts = [0] * n  # steps run per candidate
+        self.timed = [0] * n  # steps timed per candidate
+        self.switch_s = 0.0  # EMA of a switch step's extra seconds over the candidate's own time
+        self.last = None  # the previous step's candidate
+        self.trying = None  # the candidate under trial, until it has TRIAL more timed steps
+        self.trial_until = 0
 
     def taus(self, survival_CnBL) -> np.ndarray:
         """Calibrated E[tau] [C, nB] from the step's survival."""
@@ -62,21 +75,39 @@ class Policy:
         return 1.0 + (s**self.gamma).sum(-1)
 
     def choose(self, survival_CnBL, active_C) -> int:
-        """The next step's candidate index: an untimed one first, the stalest every explore_every steps, else
-        the best expected rate."""
-        untimed = [i for i, n in enumerate(self.counts) if n < 2]  # a first run may carry one-off costs
-        if untimed:
-            return untimed[0]
-        if self.explore_every and self.steps % self.explore_every == self.explore_every - 1:
-            return int(np.argmin(self.timed_at))
-        return budget.choose_budget_host(self.taus(survival_CnBL), self.seconds, active_C)
+        """The next step's candidate index: a candidate under trial until it is timed; an untimed one; every
+        explore_every steps the stalest; else the best expected rate, left for another only when the gain over
+        `horizon` steps repays the measured switch cost."""
+        if self.trying is not None and self.timed[self.trying] < self.trial_until:
+            return self.trying
+        self.trying = None
+        untimed = [i for i, n in enumerate(self.timed) if n == 0]
+        stale = self.explore_every and self.steps % self.explore_every == self.explore_every - 1
+        if untimed or stale:
+            self.trying = untimed[0] if untimed else int(np.argmin(self.timed_at))
+            self.trial_until = self.timed[self.trying] + TRIAL
+            return self.trying
+        taus, seconds = self.taus(survival_CnBL), np.asarray(self.seconds, np.float64)
+        best = budget.choose_budget_host(taus, seconds, active_C)
+        if self.last is None or best == self.last:
+            return best
+        tokens = (taus * np.asarray(active_C, np.float64)[:, None]).sum(0)  # expected tokens a step, per candidate
+        h = self.horizon
+        repaid = h * tokens[best] / (h * seconds[best] + self.switch_s) > tokens[self.last] / seconds[self.last]
+        return best if repaid else self.last
 
     def observe(self, choice: int, seconds: float, survival_CnBL, accept_C, valid_C) -> None:
         """A step of candidate `choice` took `seconds`; accept_C: its accept lengths, valid_C: the slots where
         that length is the tree's (active and not cut by EOS or a token limit)."""
-        old = self.seconds[choice]  # a candidate's first step may carry one-off costs: its second replaces it
-        self.seconds[choice] = seconds if self.counts[choice] < 2 else (1 - EMA) * old + EMA * seconds
-        self.timed_at[choice], self.counts[choice] = self.steps, self.counts[choice] + 1
+        if choice == self.last:
+            first = self.timed[choice] == 0  # its first timed step may carry an executable's one-off costs
+            self.seconds[choice] = _ema(None if first or self.timed[choice] == 1 else self.seconds[choice], seconds)
+            self.timed[choice] += 1
+            self.timed_at[choice] = self.steps
+        elif self.timed[choice] >= 2:
+            self.switch_s = max(0.0, _ema(self.switch_s, seconds - self.seconds[choice]))
+        self.counts[choice] += 1
+        self.last = choice
         self.steps += 1
         valid = np.asarray(valid_C, bool)
         if valid.any():
@@ -91,6 +122,7 @@ class Policy:
         return {
             "choices": {label(c): n for c, n in zip(self.candidates, self.counts) if n},
             "step_ms": {label(c): round(1e3 * t, 3) for c, t in zip(self.candidates, self.seconds) if t is not None},
+            "switch_ms": round(1e3 * self.switch_s, 3),
             "calibration_gamma": self.gamma,
         }
 

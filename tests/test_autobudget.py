@@ -23,15 +23,21 @@ def _survival(rng, C=3, n=len(CANDS), L=7):
     return np.sort(rng.random((C, n, L)), axis=-1)[..., ::-1].copy()
 
 
-def test_every_candidate_is_run_twice_before_any_choice():
+def _observe(pol, i, seconds, C=1):
+    zero = np.zeros((C, len(CANDS), 7))
+    pol.observe(i, seconds, zero, np.ones(C, int), np.zeros(C, bool))
+
+
+def test_every_candidate_is_tried_a_switch_step_then_two_timed_before_any_choice():
     rng = np.random.default_rng(0)
     pol = autobudget.Policy(CANDS, explore_every=0)
     seen = []
-    for _ in range(2 * len(CANDS)):
+    for _ in range(3 * len(CANDS)):
         i = pol.choose(_survival(rng), np.ones(3))
         seen.append(i)
         pol.observe(i, 0.01 * (i + 1), _survival(rng), np.ones(3, int), np.zeros(3, bool))
-    assert seen == [0, 0, 1, 1, 2, 2]
+    assert seen == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert pol.timed == [2, 2, 2] and pol.seconds == pytest.approx([0.01, 0.02, 0.03])
 
 
 def test_the_choice_maximises_expected_tokens_per_second_over_active_slots():
@@ -39,8 +45,9 @@ def test_the_choice_maximises_expected_tokens_per_second_over_active_slots():
     pol = autobudget.Policy(CANDS, explore_every=0, refit_every=0)
     times = [0.010, 0.012, 0.030]
     for i, t in enumerate(times):
-        for _ in range(2):
-            pol.observe(i, t, _survival(rng), np.ones(3, int), np.zeros(3, bool))
+        for _ in range(3):
+            _observe(pol, i, t)
+    assert pol.switch_s == 0.0
     for _ in range(20):
         s, active = _survival(rng), rng.random(3) < 0.7
         tau = 1 + s.sum(-1)
@@ -52,17 +59,36 @@ def test_the_choice_maximises_expected_tokens_per_second_over_active_slots():
     assert pol.choose(s, np.ones(1)) == 2
 
 
-def test_step_times_average_after_the_first_and_the_stalest_is_retried():
-    pol = autobudget.Policy(CANDS, explore_every=4, refit_every=0)
+def test_only_steps_after_the_same_candidate_are_timed_and_the_stalest_is_retried():
+    pol = autobudget.Policy(CANDS, explore_every=12, refit_every=0)
+    for t in (5.0, 9.0, 1.0, 2.0):  # a switch step (untimed), a first timed step (replaced), then the average
+        _observe(pol, 0, t)
+    assert pol.timed[0] == 3 and pol.seconds[0] == pytest.approx((1 - autobudget.EMA) * 1.0 + autobudget.EMA * 2.0)
+    for i in (1, 1, 1, 2, 2, 2):
+        _observe(pol, i, 1.0)
+    _observe(pol, 0, 1.5 + pol.seconds[0])  # a switch back costs 1.5 s more than candidate 0's own step
+    assert pol.switch_s == pytest.approx(autobudget.EMA * 1.5) and pol.seconds[0] == pytest.approx(1.3)
     zero = np.zeros((1, 3, 7))
-    pol.observe(0, 9.0, zero, np.ones(1, int), np.zeros(1, bool))
-    pol.observe(0, 1.0, zero, np.ones(1, int), np.zeros(1, bool))
-    assert pol.seconds[0] == 1.0  # the first run's one-off cost is replaced
-    pol.observe(0, 2.0, zero, np.ones(1, int), np.zeros(1, bool))
-    assert pol.seconds[0] == pytest.approx((1 - autobudget.EMA) * 1.0 + autobudget.EMA * 2.0)
-    for i in (1, 1, 2, 2):
-        pol.observe(i, 1.0, zero, np.ones(1, int), np.zeros(1, bool))
-    assert pol.steps == 7 and pol.choose(zero, np.ones(1)) == 0  # steps % 4 == 3: the least recently timed
+    assert pol.timed_at == [3, 6, 9]  # the switch step back to candidate 0 timed nothing
+    assert pol.steps == 11 and pol.choose(zero, np.ones(1)) == 0  # steps % 12 == 11: the least recently timed
+    _observe(pol, 0, 1.0)
+    assert pol.choose(zero, np.ones(1)) == 0 and pol.trying == 0  # a trial runs TRIAL timed steps
+    _observe(pol, 0, 1.0)
+    assert pol.timed_at[0] == 12 and pol.choose(zero, np.ones(1)) in (0, 1, 2) and pol.trying is None
+
+
+def test_a_better_candidate_is_taken_only_when_it_repays_the_switch():
+    pol = autobudget.Policy(CANDS, explore_every=0, refit_every=0, horizon=10)
+    for i in (2, 2, 2, 0, 0, 0, 1, 1, 1):
+        _observe(pol, i, 1.0 if i == 2 else 0.010)
+    pol.switch_s = 0.020  # 10 steps of candidate 0 at 10 ms would pay 20 ms to switch
+    s = np.zeros((1, 3, 7))
+    s[0, 0, :2] = 1.0  # candidate 1 expects 3 tokens a step, candidate 0 expects...
+    s[0, 1, :2] = 1.0
+    s[0, 0, 2] = 0.1  # ... 3.1: just better, not enough to repay the switch from the current candidate 1
+    assert pol.last == 1 and pol.choose(s, np.ones(1)) == 1
+    s[0, 0, 2:] = 1.0  # 8 tokens a step: 10 steps of it repay the switch
+    assert pol.choose(s, np.ones(1)) == 0
 
 
 def test_calibration_finds_an_overconfident_drafter():
