@@ -4,11 +4,15 @@
 
 TRACE_DIR: a `jax.profiler.trace` directory (its .xplane.pb is found below it). FILE: the profiled program's
 compiled text (`compiled.as_text()`; `bench_e2e.py --profile` writes it beside each trace as program.hlo.txt).
-A kernel is a device event that names an HLO instruction (`hlo_op`) of that program: the GPU planes' stream
-events, or on a CPU the host's XLA op events. Each kernel is charged to the k26jax named scopes in its
-instruction's op_name (`PHASES`, e.g. "verify/attention"; fusions carry their root's). Busy time is the union of
-the kernel intervals of one execution, its gaps the rest of the span from its first kernel's start to its last
-kernel's end: launch latency and host waits the kernels do not cover.
+A kernel is a device event of that program (`hlo_module`): the GPU planes' stream events, or on a CPU the host's
+XLA op events. Each kernel is charged to the k26jax named scopes in its HLO instruction's op_name (`PHASES`, e.g.
+"verify/attention"; fusions carry their root's). On a GPU most kernels run inside command buffers, whose events
+name the buffer ("command_buffer_3"), not the instruction: `Instructions.op_name` then finds it from the kernel's
+own name (a fusion's name; a Pallas kernel's name in its op_name path; a Mosaic GPU kernel by its custom call)
+and leaves cuBLAS kernels, which name no instruction, as "gemm (cuBLAS)". A GPU trace's events carry no execution
+id, so all of one program's kernels are one execution (profile one call). Busy time is the union of the kernel
+intervals of one execution, its gaps the rest of the span from its first kernel's start to its last kernel's end:
+launch latency and host waits the kernels do not cover.
 """
 
 from __future__ import annotations
@@ -42,19 +46,48 @@ PHASES = (
 )
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"", re.M)
 _CONTROL = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=[^\n]*?\s(?:while|conditional|call)\(", re.M)
+_MOSAIC = re.compile(r"custom_call_target=\"mosaic_gpu[^\"]*\".*?op_name=\"([^\"]*)\"")
+_CUBLAS = re.compile(r"nvjet|cutlass|gemm|xmma|cublas", re.I)
+CUBLAS = "gemm (cuBLAS)"
 
 
-def hlo_op_names(hlo_text: str) -> tuple[str, dict[str, str], set[str]]:
-    """(the module's name, {instruction name: metadata op_name}, the control-flow instructions: while,
-    conditional and call, whose events on a CPU enclose their bodies' kernels) of a compiled program's text."""
+class Instructions(dict):
+    """{instruction name: metadata op_name} of a compiled program, with what a GPU kernel's name resolves to."""
+
+    def __init__(self, hlo_text: str):
+        super().__init__(_INSTR.findall(hlo_text))
+        self.by_kernel = {name.replace(".", "_").replace("-", "_"): op for name, op in self.items()}
+        for op in self.values():  # a Pallas kernel is named by the path component before its pallas_call
+            parts = op.split("/")
+            for before, part in zip(parts, parts[1:]):
+                if part == "pallas_call":
+                    self.by_kernel.setdefault(before, op)
+        self.mosaic = sorted({phase_of(op) for op in _MOSAIC.findall(hlo_text)})
+
+    def op_name(self, hlo_op: str, kernel: str) -> str:
+        """The op_name to charge a kernel event to ("" when nothing names it)."""
+        if hlo_op in self and not hlo_op.startswith("command_buffer"):
+            return self[hlo_op]
+        if kernel in self.by_kernel:
+            return self.by_kernel[kernel]
+        if "mosaic" in kernel:  # anonymous: one phase if the program's Mosaic calls share one
+            return self.mosaic[0] if len(self.mosaic) == 1 else "|".join(self.mosaic)
+        return CUBLAS if _CUBLAS.search(kernel) else ""
+
+
+def hlo_op_names(hlo_text: str) -> tuple[str, Instructions, set[str]]:
+    """(the module's name, its `Instructions`, the control-flow instructions: while, conditional and call, whose
+    events on a CPU enclose their bodies' kernels) of a compiled program's text."""
     m = re.search(r"^HloModule\s+([\w.\-]+)", hlo_text, re.M)
     if m is None:
         raise ValueError("not an HLO module's text: no 'HloModule' line")
-    return m.group(1), dict(_INSTR.findall(hlo_text)), set(_CONTROL.findall(hlo_text))
+    return m.group(1), Instructions(hlo_text), set(_CONTROL.findall(hlo_text))
 
 
 def phase_of(op_name: str) -> str:
     """The PHASES named in an op_name path, joined with '/' ("verify/attention"); "other" when none is."""
+    if op_name == CUBLAS or "|" in op_name:  # not one instruction's: cuBLAS, or Mosaic kernels of several phases
+        return op_name
     parts = [p for p in op_name.split("/") if p in PHASES]
     return "/".join(dict.fromkeys(parts)) or "other"
 
@@ -81,8 +114,13 @@ def kernels(xplane_path: str, module: str, skip: set[str] = frozenset()) -> list
                 stats = dict(e.stats)
                 if "hlo_op" not in stats or stats.get("hlo_module") != module or stats["hlo_op"] in skip:
                     continue
-                run = stats.get("run_id", stats.get("correlation_id", 0))
-                out.append(dict(name=e.name, hlo_op=stats["hlo_op"], run=run, start=e.start_ns, dur=e.duration_ns))
+                gpu = plane.name.startswith("/device:")
+                run = stats.get("run_id", 0 if gpu else stats.get("correlation_id", 0))
+                name = e.name
+                grid = re.search(r"grid:([\d,]+)", str(stats.get("kernel_details", "")))
+                if "mosaic" in name and grid:  # anonymous kernels told apart by their launch grid
+                    name = f"{name} (grid {grid.group(1)})"
+                out.append(dict(name=name, hlo_op=stats["hlo_op"], run=run, start=e.start_ns, dur=e.duration_ns))
     return out
 
 
@@ -95,7 +133,7 @@ def _busy(intervals) -> float:
     return total
 
 
-def report(events: list[dict], op_names: dict[str, str], *, layers: int | None = None, top: int = 15) -> dict:
+def report(events: list[dict], op_names: Instructions, *, layers: int | None = None, top: int = 15) -> dict:
     """Per execution (medians over the complete executions, those with the most kernels): span, busy and gap ms,
     kernel launches (and per layer); per phase: ms and launches; the `top` kernels by time: ms, launches, phase."""
     if not events:
@@ -117,7 +155,7 @@ def report(events: list[dict], op_names: dict[str, str], *, layers: int | None =
     phases = collections.defaultdict(lambda: [0.0, 0])
     by_kernel = collections.defaultdict(lambda: [0.0, 0, ""])
     for e in events:
-        ph = phase_of(op_names.get(e["hlo_op"], ""))
+        ph = phase_of(op_names.op_name(e["hlo_op"], e["name"]))
         phases[ph][0] += e["dur"] / n
         phases[ph][1] += 1 / n
         k = by_kernel[e["name"]]

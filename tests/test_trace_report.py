@@ -86,3 +86,45 @@ def test_bad_input_names_what_is_wrong(tr, traced, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: ")
     assert tr.main([where, "--hlo", str(hlo_file), "--json", str(tmp_path / "r.json")]) == 0
     assert (tmp_path / "r.json").stat().st_size > 0
+
+
+def _instr(name, call, op_name):
+    return f'  %{name} = f32[8]{{0}} {call}, metadata={{op_name="jit(run)/verify/{op_name}"}}\n'
+
+
+GPU_HLO = "HloModule jit_run_steps, is_scheduled=true\n" + "".join(
+    [
+        _instr("loop_add_fusion.3", "fusion(%p), kind=kLoop", "norm/add"),
+        _instr(
+            "pallas_call.30",
+            'custom-call(%a), custom_call_target="__gpu$xla.gpu.triton"',
+            "attention/jit(tree_mla_attention)/tree_mla_prefix/pallas_call",
+        ),
+        _instr("custom-call.7", 'custom-call(%b), custom_call_target="mosaic_gpu_v2"', "moe/jit(fused_moe_mosaic)/x"),
+        _instr("custom-call.8", 'custom-call(%c), custom_call_target="__cublas$lt$matmul"', "mla_in/dot_general"),
+    ]
+)
+
+
+def test_gpu_command_buffer_kernels_are_charged_by_their_own_names(tr):
+    """On a GPU the events name their command buffer: fusions, Pallas and Mosaic kernels are found by name, cuBLAS
+    kernels (which name no instruction) are counted as such."""
+    module, names, _ = tr.hlo_op_names(GPU_HLO)
+    assert module == "jit_run_steps"
+    cases = {
+        "loop_add_fusion_3": "verify/norm",
+        "tree_mla_prefix": "verify/attention",
+        "anonymous_mosaic_gpu_kernel (grid 132,1,1)": "verify/moe",
+        "nvjet_sm90_tss_64x8_64x16_4x1_v_bz_NNT": tr.CUBLAS,
+        "memcpy32_post": "other",
+    }
+    for kernel, phase in cases.items():
+        assert tr.phase_of(names.op_name("command_buffer_3", kernel)) == phase, kernel
+    assert tr.phase_of(names.op_name("loop_add_fusion.3", "anything")) == "verify/norm"  # a CPU event names its op
+    mosaic_attention = _instr("custom-call.9", 'custom-call(%d), custom_call_target="mosaic_gpu_v2"', "attention/x")
+    two = tr.hlo_op_names(GPU_HLO + mosaic_attention)[1]
+    assert tr.phase_of(two.op_name("command_buffer_1", "anonymous_mosaic_gpu_kernel")) == "verify/attention|verify/moe"
+    events = [dict(name=k, hlo_op="command_buffer_3", run=0, start=10 * i, dur=5 + i) for i, k in enumerate(cases)]
+    r = tr.report(events, names)
+    assert r["executions"] == 1 and set(r["phases"]) == set(cases.values())
+    assert r["busy_ms"] == pytest.approx(sum(5 + i for i in range(5)) / 1e6)
