@@ -7,11 +7,12 @@ step with argmax_B sum_c E[tau_c](B) / t(B): the choice is one step stale and co
 
 t(B) is measured, not modelled: the exponential average of that candidate's step times in this process (dispatch
 to its tokens on the host) for this batch and cache size, taken only from steps that follow a step of the same
-candidate. A step that follows another candidate's costs more (on the GPU about a quarter of a step: running a
-different executable), so that extra is measured on its own and the policy switches only when the better rate
-repays it within `horizon` steps. Each candidate is tried first (a switch step, then two timed ones), and every
-`explore_every` steps the least recently timed one is tried again, since the costs move as contexts grow. Every
-candidate is lossless, so trying one changes speed, never the tokens at temperature 0.
+candidate. A step that follows another candidate's may cost more (another executable), so that extra is measured
+on its own and the policy switches only when the better rate repays it within `horizon` steps. The choice is one
+step stale, so the next step's expected accept length is this step's shrunk toward its running mean by how well
+one step's estimate has predicted the next's (`Policy.rho`). Each candidate is tried first (a switch step, then
+two timed ones), and every `explore_every` steps the least recently timed one is tried again, since the costs
+move as contexts grow. Every candidate is lossless, so trying one changes speed, never the tokens at T = 0.
 
 Calibration: each step's predicted S_a of the tree it verified is paired with whether that slot's accept length
 reached a + 1; every `refit_every` steps `budget.calibrate` refits g(S) = S^gamma over the pairs so far (gamma > 1:
@@ -33,6 +34,8 @@ CANDIDATES = budget.CANDIDATES
 EMA = 0.3  # weight of the newest step time
 MAX_PAIRS = 1 << 16  # calibration pairs kept (the newest)
 TRIAL = 2  # timed steps a candidate runs when it is tried
+MEAN_EMA = 0.05  # weight of the newest step in the running E[tau] statistics
+PREDICT_AFTER = 16  # steps seen before rho is estimated (until then the last step's E[tau] is used as is)
 
 
 def label(candidate) -> str:
@@ -68,11 +71,47 @@ class Policy:
         self.last = None  # the previous step's candidate
         self.trying = None  # the candidate under trial, until it has TRIAL more timed steps
         self.trial_until = 0
+        self.mean, self.prev, self.cov, self.var, self.seen = None, None, 0.0, 0.0, 0  # `_track`
 
     def taus(self, survival_CnBL) -> np.ndarray:
         """Calibrated E[tau] [C, nB] from the step's survival."""
         s = np.clip(np.asarray(survival_CnBL, np.float64), 0.0, 1.0)
         return 1.0 + (s**self.gamma).sum(-1)
+
+    @property
+    def rho(self) -> float:
+        """How much this step's E[tau] says about the next step's, in [0, 1]: the lag-1 autocorrelation of the
+        largest candidate's per-slot E[tau] (1 until PREDICT_AFTER steps have been seen)."""
+        if self.seen < PREDICT_AFTER or self.var <= 0:
+            return 1.0
+        return float(np.clip(self.cov / self.var, 0.0, 1.0))
+
+    def expected_tokens(self, survival_CnBL, active_C) -> np.ndarray:
+        """Expected tokens of the next step per candidate [nB]: the active slots' mean E[tau] from this step's
+        survival, shrunk toward its running mean by rho (the choice is one step stale: where difficulty does not
+        persist from step to step, this step's estimate says little about the next one's)."""
+        active = np.asarray(active_C, bool)
+        if not active.any():
+            return np.zeros(len(self.candidates))
+        x = self.taus(survival_CnBL)[active].mean(0)
+        pred = x if self.mean is None else self.mean + self.rho * (x - self.mean)
+        return active.sum() * pred
+
+    def _track(self, survival_CnBL, valid_C) -> None:
+        """Running mean, variance and lag-1 covariance of the per-slot E[tau] series (valid slots)."""
+        valid = np.asarray(valid_C, bool)
+        if not valid.any():
+            return
+        x = self.taus(survival_CnBL)[valid].mean(0)
+        self.seen += 1
+        if self.mean is None:
+            self.mean, self.prev = x, x
+            return
+        d, d_prev = x[-1] - self.mean[-1], self.prev[-1] - self.mean[-1]
+        self.cov = (1 - MEAN_EMA) * self.cov + MEAN_EMA * d * d_prev
+        self.var = (1 - MEAN_EMA) * self.var + MEAN_EMA * d * d
+        self.mean = (1 - MEAN_EMA) * self.mean + MEAN_EMA * x
+        self.prev = x
 
     def choose(self, survival_CnBL, active_C) -> int:
         """The next step's candidate index: a candidate under trial until it is timed; an untimed one; every
@@ -87,11 +126,10 @@ class Policy:
             self.trying = untimed[0] if untimed else int(np.argmin(self.timed_at))
             self.trial_until = self.timed[self.trying] + TRIAL
             return self.trying
-        taus, seconds = self.taus(survival_CnBL), np.asarray(self.seconds, np.float64)
-        best = budget.choose_budget_host(taus, seconds, active_C)
+        tokens, seconds = self.expected_tokens(survival_CnBL, active_C), np.asarray(self.seconds, np.float64)
+        best = budget.choose_budget_host(tokens[None], seconds)
         if self.last is None or best == self.last:
             return best
-        tokens = (taus * np.asarray(active_C, np.float64)[:, None]).sum(0)  # expected tokens a step, per candidate
         h = self.horizon
         repaid = h * tokens[best] / (h * seconds[best] + self.switch_s) > tokens[self.last] / seconds[self.last]
         return best if repaid else self.last
@@ -109,6 +147,7 @@ class Policy:
         self.counts[choice] += 1
         self.last = choice
         self.steps += 1
+        self._track(survival_CnBL, valid_C)
         valid = np.asarray(valid_C, bool)
         if valid.any():
             s, y = budget.calibration_pairs(np.asarray(survival_CnBL)[valid, choice], np.asarray(accept_C)[valid])
@@ -123,6 +162,7 @@ class Policy:
             "choices": {label(c): n for c, n in zip(self.candidates, self.counts) if n},
             "step_ms": {label(c): round(1e3 * t, 3) for c, t in zip(self.candidates, self.seconds) if t is not None},
             "switch_ms": round(1e3 * self.switch_s, 3),
+            "rho": round(self.rho, 3),
             "calibration_gamma": self.gamma,
         }
 

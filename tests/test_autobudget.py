@@ -154,3 +154,30 @@ def test_bad_budget_arguments_are_named(kw, words):
     model = k26jax.load(TINY, dtype="float32")
     with pytest.raises(ValueError, match=words):
         generate(model, [[1, 2, 3]], max_new_tokens=4, **kw)
+
+
+def _regime(hard: bool):
+    """Survival [1, 3, 7]: on an easy step every candidate expects ~7.3 tokens, on a hard one the big tree 4.5
+    against 2.4 (the step times below make the tree the better choice only on hard steps)."""
+    s = np.full((1, 3, 7), 0.2 if hard else 0.9)
+    s[0, 2] = 0.5 if hard else 0.92
+    return s
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_stale_estimate_is_trusted_as_far_as_it_predicts_the_next_step(persistent):
+    """The choice is one step stale. Where hard steps come at random the last step's estimate says nothing about
+    the next one: rho ~ 0 and the candidate with the best mean rate is kept. Where hardness persists, rho ~ 1
+    and a hard step moves the choice to the big tree."""
+    rng = np.random.default_rng(3)
+    pol = autobudget.Policy(CANDS, explore_every=0, refit_every=0)
+    times = (0.010, 0.011, 0.015)
+    for i, t in enumerate(times):
+        for _ in range(3):
+            _observe(pol, i, t)
+    for k in range(300):
+        hard = (k // 25) % 2 == 1 if persistent else rng.random() < 0.5
+        pol.observe(0, times[0], _regime(hard), np.ones(1, int), np.ones(1, bool))
+    assert (pol.rho > 0.7) if persistent else (pol.rho < 0.3), pol.rho
+    assert pol.choose(_regime(hard=True), np.ones(1)) == (2 if persistent else 0)
+    assert pol.choose(_regime(hard=False), np.ones(1)) == 0
