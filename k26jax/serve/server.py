@@ -21,6 +21,8 @@ from k26jax.serve.app import ServerConfig, create_app
 from k26jax.serve.metrics import Metrics
 from k26jax.serve.scheduler import Scheduler, buckets
 
+GIL_SWITCH_S = 5e-4  # sys.setswitchinterval in the serving process (see `serve`)
+
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, whose exit signal first starts the scheduler's drain."""
@@ -114,6 +116,10 @@ def start(args, dec: engine.Decoder | autobudget.AutoDecoder, params, dparams, t
 
 def serve(sched: Scheduler, config, drain_timeout: float) -> int:
     """Run uvicorn until SIGTERM / SIGINT, draining the scheduler first; 0 after a clean stop."""
+    # The engine thread waits for each step with the GIL released and needs it back the moment the step ends,
+    # while the HTTP thread may be running Python (streaming chunks); CPython hands the GIL over only after the
+    # switch interval, 5 ms by default, which is a quarter of a step.
+    sys.setswitchinterval(GIL_SWITCH_S)
     server = DrainingServer(config, sched, drain_timeout)
     # uvicorn re-raises the exit signal after its graceful shutdown; this handler makes that a clean exit
     for sig in (signal.SIGTERM, signal.SIGINT):
