@@ -304,30 +304,44 @@ class StepCost:
 ABLATIONS = {"no_moe": "moe", "no_attention": "attention", "no_draft": "draft"}
 
 
-def record_rows(records) -> list[dict]:
-    """Measured step rows of bench_e2e records (K2.6 width) as fit inputs: {layers, method, B, C, context, skip,
-    step_ms, machine, builds, record, touched}. Read from each row: variant, layers, method, B, C, context,
-    step_ms and, when the record has it, experts_touched (mean distinct experts per MoE layer); from the record:
-    ceilings (copy_TBps, matmul_bf16_TFLOPs) and its build rows. XLA-default ablations ("no_options") are left
-    out: another program."""
+def record_rows(records, machine: Machine | None = None) -> list[dict]:
+    """Measured step rows of benchmark records (K2.6 width) as fit inputs: {layers, method, B, C, context, skip,
+    step_ms, machine, builds, record, touched}. bench_e2e rows ("step": variant, layers, method, B, C, context,
+    step_ms, experts_touched when counted) and bench_auto rows ("auto_bench": AR and each fixed candidate's plain
+    host-driven step; its estimate and auto rows are other programs) are read; a record holding "runs" gives one
+    group per run, numbered in `record`. The machine is the record's ceilings (copy_TBps, matmul_bf16_TFLOPs),
+    else `machine`, else an H200's. XLA-default ablations ("no_options") are left out: another program."""
+    rows, index = [], 0
+    for rec in records:
+        for run in rec.get("runs", [rec]):
+            if run.get("args", {}).get("preset", "k26") == "k26":
+                rows += _run_rows(run, index, machine)
+            index += 1
+    return rows
+
+
+def _run_rows(run, index: int, machine: Machine | None) -> list[dict]:
+    ceil = run.get("ceilings") or {}
+    if "copy_TBps" in ceil:
+        machine = Machine(ceil["copy_TBps"], ceil["matmul_bf16_TFLOPs"])
+    machine = machine or Machine(4.0, 620.0)
+    builds = [r for r in run["rows"] if r.get("kind") == "build" and "build_ms" in r]
     rows = []
-    for index, rec in enumerate(records):
-        if rec.get("args", {}).get("preset", "k26") != "k26":
+    for r in run["rows"]:
+        if r.get("kind") == "auto_bench" and "+" not in r["variant"] and r["variant"] != "auto":
+            v = r["variant"]
+            method = v if v in ("ar", "chain") else "ddtree"
+            B = int(v.removeprefix("ddtree")) if method == "ddtree" else 0
+            r = dict(r, method=method, B=B)
+        elif r.get("kind") != "step" or "step_ms" not in r or "no_options" in r["variant"]:
             continue
-        ceil = rec.get("ceilings", {})
-        machine = Machine(ceil.get("copy_TBps", 4.0), ceil.get("matmul_bf16_TFLOPs", 620.0))
-        builds = [r for r in rec["rows"] if r.get("kind") == "build" and "build_ms" in r]
-        for r in rec["rows"]:
-            if r.get("kind") != "step" or "step_ms" not in r or "no_options" in r["variant"]:
-                continue
-            skip = tuple(ABLATIONS[s] for s in r["variant"].split("-")[1:] if s in ABLATIONS)
-            rows.append(
-                dict(
-                    layers=r["layers"], method=r["method"], B=r["B"], C=r["C"], context=r["context"],
-                    skip=skip, step_ms=r["step_ms"], machine=machine, builds=builds, record=index,
-                    touched=r.get("experts_touched"),
-                )
-            )  # fmt: skip
+        skip = tuple(ABLATIONS[s] for s in r["variant"].split("-")[1:] if s in ABLATIONS)
+        rows.append(
+            dict(
+                layers=r["layers"], method=r["method"], B=r["B"], C=r["C"], context=r["context"], skip=skip,
+                step_ms=r["step_ms"], machine=machine, builds=builds, record=index, touched=r.get("experts_touched"),
+            )
+        )  # fmt: skip
     return rows
 
 
