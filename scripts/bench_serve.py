@@ -13,11 +13,14 @@ idle).
 
 --bare times the bare step loop at each C with the server's own Decoder settings (a subprocess, before the server
 starts, so the two never share the device): C prompts inserted, then --bare-steps `Decoder.step` calls back to back
-with every slot active; tok/s over those steps. --stall-len N measures how one N-token prefill delays the other
-streams' next chunk. --synthetic serves a K2.6-width random model (bench_e2e's configs, --layers deep) whose
-acceptance is k26jax.synthetic's calibrated drafter (the chain's E[tau] = --tau at b = 8, each budget earning its
-own tree's), so scheduling costs show at real shapes; --budget auto serves and bare-loops the auto choice (its
-bare loop reads each step's survival to the host, as the server does).
+with every slot active; tok/s over those steps. Then the same workload as the server's without the server
+(`bare_workload`: requests of --max-tokens, a finished slot refilled by an insert at once, each step read to the
+host): server / bare-workload is the cost of HTTP, scheduling and streaming alone. --stall-len N measures how
+one N-token prefill delays the other streams' next chunk. --synthetic serves a K2.6-width random model
+(bench_e2e's configs, --layers deep) whose acceptance is k26jax.synthetic's calibrated drafter (the chain's
+E[tau] = --tau at b = 8, each budget earning its own tree's), so scheduling costs show at real shapes; --budget
+auto serves and bare-loops the auto choice (its bare loop reads each step's survival to the host, as the server
+does).
 
 GPU (the server and the clients on one machine). The device has no package registry: `bash scripts/device_wheels.sh`
 here puts the server's and the client's wheels in .whl (6.5 MB); carry .whl and begin the device command with
@@ -172,9 +175,50 @@ def bare_loop(args) -> dict:
         tokens = int((num_out - start_out).sum())
         rows[C] = dict(C=C, steps=steps, tokens=tokens, step_ms=1e3 * seconds / steps, tok_s=tokens / seconds)
         rows[C]["tau"] = tokens / (steps * C)
-        print(f"[bare] C={C}: {rows[C]['tok_s']:.1f} tok/s, tau {rows[C]['tau']:.2f}", file=sys.stderr, flush=True)
         del state
+        rows[C].update(bare_workload(args, sargs, dec, params, dparams, prompts, step, C, 4 * steps))
+        print(
+            f"[bare] C={C}: {rows[C]['tok_s']:.1f} tok/s, tau {rows[C]['tau']:.2f}; with the workload's inserts "
+            f"{rows[C]['workload_tok_s']:.1f} tok/s",
+            file=sys.stderr,
+            flush=True,
+        )
     return dict(device=f"{jax.device_count()} x {jax.devices()[0].device_kind}", steps=steps, rows=rows)
+
+
+def bare_workload(args, sargs, dec, params, dparams, prompts, step, C: int, steps: int) -> dict:
+    """The server's workload without the server: C slots each decoding a request of --max-tokens new tokens, a
+    finished slot refilled at once by an insert of the next prompt, each step's tokens and done flags read to the
+    host (as the scheduler does), over `steps` steps after one warm step. Against this the server's overhead is
+    HTTP, scheduling and streaming alone; against the steps-only loop it also pays the prefills and idle slots."""
+    import jax
+
+    ctx_dtype = jax.tree.leaves(dparams)[0].dtype if dparams is not None else None
+    state = dec.empty(batch=C, max_len=sargs.max_len, dtype=params["embed"].dtype, ctx_dtype=ctx_dtype)
+    T, served = _bucket(args.prompt_len, sargs.max_len), 0
+
+    def insert(state, slot):
+        nonlocal served
+        ids = np.zeros((1, T), np.int32)
+        ids[0, : args.prompt_len] = prompts[served % len(prompts)]
+        scalars = (np.int32(args.prompt_len), np.uint32(served), np.float32(args.temperature), np.float32(1.0))
+        served += 1
+        state = dec.insert(params, dparams, state, np.int32(slot), ids, *scalars, np.int32(args.max_tokens))
+        return state, int(np.asarray(state.num_emitted)[slot])
+
+    for c in range(C):
+        state = insert(state, c)[0]
+    state = step(params, dparams, state)  # warm
+    tokens, inserts, t0 = 0, 0, time.perf_counter()
+    for _ in range(steps):
+        state = step(params, dparams, state)
+        host = jax.device_get({"num_emitted": state.num_emitted, "done": state.done})
+        tokens += int(host["num_emitted"].sum())
+        for slot in np.flatnonzero(host["done"]):
+            state, first = insert(state, int(slot))
+            tokens, inserts = tokens + first, inserts + 1
+    seconds = time.perf_counter() - t0
+    return dict(workload_steps=steps, workload_inserts=inserts, workload_tok_s=tokens / seconds)
 
 
 def _bucket(n: int, max_len: int) -> int:
@@ -488,6 +532,8 @@ def main(argv=None) -> int:
             if bare and str(C) in bare["rows"]:
                 row["bare_tok_s"] = bare["rows"][str(C)]["tok_s"]
                 row["server_over_bare"] = row["output_tok_s"] / row["bare_tok_s"]
+                row["bare_workload_tok_s"] = bare["rows"][str(C)]["workload_tok_s"]
+                row["server_over_bare_workload"] = row["output_tok_s"] / row["bare_workload_tok_s"]
             row["seed_service_tok_s"] = SEED_SERVICE_8X_PRO6000.get(C)
             print(json.dumps(row), flush=True)
             rows.append(row)
