@@ -163,7 +163,7 @@ class Bench:
         where = None
         if self.args.profile:
             where = os.path.join(self.args.profile, f"share_d{self.layers}_{v.name}_C{v.C}_ctx{v.context}")
-        timing, state = bench_e2e.time_steps(
+        timing, _ = bench_e2e.time_steps(
             exe, params, dparams, jax.jit(self._fill(v))(self._key(v)),
             reset=functools.partial(bench_e2e.reset_state, C=v.C, context=v.context, sharding=None),
             steps=self.args.steps, repeats=self.args.repeats, profile=where, layers=v.layers,
