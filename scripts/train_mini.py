@@ -2,7 +2,7 @@
 
     python scripts/train_mini.py --out DIR [--stages all | tokenizer,target,...] [--resume | --overwrite]
                                  [--smoke] [--seed 0] [--set KEY=VALUE ...] [--impl auto|reference]
-                                 [--max-minutes 8] [--any-python]
+                                 [--max-minutes 8] [--any-python] [--target-from CKPT]
 
 Stages, in order; each is resumable, marked done by DIR/<stage>/DONE.json, and fits one device command:
   tokenizer  (CPU) byte-level BPE of 4096 ids and the corpus token arrays      -> DIR/tokenizer, DIR/tokens
@@ -14,6 +14,8 @@ Stages, in order; each is resumable, marked done by DIR/<stage>/DONE.json, and f
   export     the checkpoint in the K2.6 on-disk format (k26jax.hf, make_tiny's writer) -> DIR/hf
   eval       DIR/hf loaded with k26jax.load: its held-out loss must equal the training forward's (same INT4
              weights); engine tau (chain and DDTree, T=0 and T=1), repetition rate -> DIR/eval/DONE.json
+--target-from CKPT takes the target and quantize stages from a trained checkpoint of this run's architecture and
+tokenizer (e.g. checkpoints/mini): a new drafter for a shipped target, without training the target again.
 An existing non-empty DIR is refused unless --resume (continue it; its settings must match) or --overwrite.
 DIR/run.json records the seed, the settings, the Python version and the corpus file list's hash. Files written
 are at most 16 MiB. --smoke shrinks every stage so the whole recipe runs on a CPU in minutes.
@@ -31,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 
-from k26jax.train import loop, recipe, rundir  # noqa: E402
+from k26jax.train import loop, recipe, rundir, stages_target  # noqa: E402
 
 CUT_SHORT = 3  # exit code: a stage stopped by --max-minutes; its state is kept for --resume
 
@@ -58,6 +60,11 @@ def main(argv=None) -> None:
         help="the stages of this invocation save and stop after this long in all (default 8)",
     )
     parser.add_argument("--any-python", action="store_true", help="accept a stdlib that differs from data/'s list")
+    parser.add_argument(
+        "--target-from",
+        metavar="CKPT",
+        help="take the trained INT4 target from this K2.6-format checkpoint instead of the target and quantize stages",
+    )
     args = parser.parse_args(argv)
     stages = recipe.STAGES if args.stages == "all" else tuple(x.strip() for x in args.stages.split(","))
     unknown = [x for x in stages if x not in recipe.STAGES]
@@ -77,6 +84,9 @@ def main(argv=None) -> None:
             max_minutes=args.max_minutes,
             any_python=args.any_python,
         )
+        if args.target_from:
+            recipe.run_stages(run, [s for s in stages if s == "tokenizer"])
+            stages_target.import_target(run, args.target_from)
         recipe.run_stages(run, stages)
     except (rundir.RecipeError, loop.NonFiniteLoss) as e:
         die(str(e))

@@ -2,7 +2,9 @@
 forward against the inference model, INT4 packing against k26jax's layout, the router-bias rule, a few training
 steps of each model, resumable checkpoints and the NaN stop."""
 
+import json
 import math
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from k26jax import ops, quant
+from k26jax import hf, ops, quant
 from k26jax.hf import pack_int4
 from k26jax.model import drafter as drafter_lib
 from k26jax.model import target as model_target
@@ -353,3 +355,37 @@ def test_a_stage_cut_short_by_max_minutes_is_not_done(driver, tmp_path, monkeypa
         driver.main(["--out", str(tmp_path / "run"), "--smoke", "--stages", "target"])
     assert stopped.value.code == driver.CUT_SHORT
     assert "stopped by --max-minutes at step 312: its state is kept; rerun with --resume" in capsys.readouterr().err
+
+
+def test_target_from_a_checkpoint_replaces_the_target_and_quantize_stages(driver, tmp_path, capsys):
+    """--target-from: a trained checkpoint of this run's architecture and tokenizer becomes DIR/quant/params (the
+    data and drafter stages' input), its held-out loss measured and its weights' hash recorded; a checkpoint of
+    another tokenizer or architecture is refused, naming what differs."""
+    out = tmp_path / "run"
+    assert driver.main(["--out", str(out), "--smoke", "--stages", "tokenizer"]) is None
+    run = rundir.open_run(str(out), rundir.SMOKE, seed=0, smoke=True, resume=True, overwrite=False,
+                          impl="reference", max_minutes=5, any_python=False)  # fmt: skip
+    q = jax.tree.map(np.asarray, tt.to_inference(tt.init_params(run.cfg, 7)))
+    ckpt = tmp_path / "ckpt"
+    hf.write_target(ckpt, run.text, q)
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        shutil.copy(run.path("tokenizer", name), ckpt / name)
+    argv = ["--out", str(out), "--smoke", "--resume", "--stages", "tokenizer,target,quantize"]
+    assert driver.main(argv + ["--target-from", str(ckpt)]) is None
+    got = run.quant_params()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(q)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert run.done("target")["imported_from"] == str(ckpt) and np.isfinite(run.done("quantize")["heldout_loss_int4"])
+    with open(run.path("run.json")) as f:
+        assert json.load(f)["target_from"]["weights_sha256"] == run.done("target")["weights_sha256"]
+
+    other = tmp_path / "other"
+    assert driver.main(["--out", str(other), "--smoke", "--stages", "tokenizer", "--set", "vocab=2048"]) is None
+    with pytest.raises(SystemExit):
+        driver.main(["--out", str(other), "--smoke", "--resume", "--set", "vocab=2048", "--target-from", str(ckpt)])
+    assert "its tiktoken.model is not this run's tokenizer" in capsys.readouterr().err
+    shutil.copy(run.path("tokenizer", "tiktoken.model"), other / "tokenizer" / "tiktoken.model")
+    shutil.copy(run.path("tokenizer", "tokenizer_config.json"), other / "tokenizer" / "tokenizer_config.json")
+    with pytest.raises(SystemExit):
+        driver.main(["--out", str(other), "--smoke", "--resume", "--set", "vocab=2048", "--target-from", str(ckpt)])
+    assert "its config differs from this run's in vocab_size" in capsys.readouterr().err

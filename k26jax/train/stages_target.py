@@ -4,10 +4,15 @@
 - `target`: next-token training, checkpointed every save_every steps so a killed run resumes -> DIR/target/params.
 - `quantize`: held-out loss before and after INT4; quantization-aware steps when INT4 costs more than
   qat_threshold nats -> DIR/quant/params (model layout).
+`import_target` takes both from a trained checkpoint instead (train_mini.py --target-from), so a new drafter can be
+trained for a shipped target without training the target again.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import os
 import shutil
 import time
 
@@ -15,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k26jax import hf
+from k26jax import hf, ops
+from k26jax.api import load
 from k26jax.tokenizer import Tokenizer
 from k26jax.train import bpe, corpus, loop
 from k26jax.train import target as tt
@@ -151,3 +157,45 @@ def quantization_aware_steps(run: Run, params):
     )
     stop_if_cut_short("quantize", meta)
     return state[0]
+
+
+def _sha256(paths) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def import_target(run: Run, ckpt: str) -> None:
+    """The target and quantize stages from a trained checkpoint in the K2.6 format (a run's DIR/hf, or the
+    shipped checkpoints/mini): its architecture and tokenizer must be this run's. Its held-out loss is measured
+    as the quantize stage measures it, and the weights' hash goes into DIR/run.json."""
+    if run.done("quantize") is not None:
+        return
+    run.need("tokenizer")
+    t0 = time.time()
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        theirs = os.path.join(ckpt, name)
+        if not os.path.isfile(theirs):
+            raise RecipeError(f"--target-from {ckpt}: no {name} there (not a K2.6-format checkpoint)")
+        if _sha256([theirs]) != _sha256([run.path("tokenizer", name)]):
+            raise RecipeError(f"--target-from {ckpt}: its {name} is not this run's tokenizer ({run.path('tokenizer')})")
+    try:
+        model = load(ckpt, drafter=False, impls=ops.Impls())
+    except (OSError, ValueError) as error:
+        raise RecipeError(f"--target-from {ckpt}: {error}") from None
+    differs = [f.name for f in dataclasses.fields(run.cfg) if getattr(run.cfg, f.name) != getattr(model.cfg, f.name)]
+    if differs:
+        raise RecipeError(f"--target-from {ckpt}: its config differs from this run's in {', '.join(differs)}")
+    weights = sorted(os.path.join(ckpt, f) for f in os.listdir(ckpt) if f.endswith(".safetensors"))
+    source = {"imported_from": os.path.abspath(ckpt), "weights_sha256": _sha256(weights)}
+    params = jax.tree.map(np.asarray, model.params)
+    windows = run.heldout_windows(run.s.seq_len, run.s.eval_windows)
+    loss = tt.eval_loss(tt.from_inference(jax.tree.map(jnp.asarray, params)), run.cfg, windows, run.s.batch)
+    print(f"[target] imported from {ckpt}: held-out loss {loss:.4f} (INT4)", flush=True)
+    loop.save_tree(run.path("quant", "params"), params)
+    run.mark_done("target", source, t0)
+    run.mark_done("quantize", dict(source, heldout_loss_int4=loss), t0)
+    run.update_record(target_from=source)
