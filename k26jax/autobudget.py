@@ -72,6 +72,8 @@ class Policy:
         self.trying = None  # the candidate under trial, until it has TRIAL more timed steps
         self.trial_until = 0
         self.mean, self.prev, self.cov, self.var, self.seen = None, None, 0.0, 0.0, 0  # `_track`
+        self.chosen_tau = None  # per-slot E[tau] of each candidate when the next step was chosen
+        self.tau_sums = np.zeros((n, 3))  # per candidate run: steps, sum of chosen_tau, sum of realised accept
 
     def taus(self, survival_CnBL) -> np.ndarray:
         """Calibrated E[tau] [C, nB] from the step's survival."""
@@ -117,6 +119,8 @@ class Policy:
         """The next step's candidate index: a candidate under trial until it is timed; an untimed one; every
         explore_every steps the stalest; else the best expected rate, left for another only when the gain over
         `horizon` steps repays the measured switch cost."""
+        active = np.asarray(active_C, bool)
+        self.chosen_tau = self.expected_tokens(survival_CnBL, active_C) / max(active.sum(), 1)
         if self.trying is not None and self.timed[self.trying] < self.trial_until:
             return self.trying
         self.trying = None
@@ -126,7 +130,7 @@ class Policy:
             self.trying = untimed[0] if untimed else int(np.argmin(self.timed_at))
             self.trial_until = self.timed[self.trying] + TRIAL
             return self.trying
-        tokens, seconds = self.expected_tokens(survival_CnBL, active_C), np.asarray(self.seconds, np.float64)
+        tokens, seconds = self.chosen_tau * active.sum(), np.asarray(self.seconds, np.float64)
         best = budget.choose_budget_host(tokens[None], seconds)
         if self.last is None or best == self.last:
             return best
@@ -149,6 +153,8 @@ class Policy:
         self.steps += 1
         self._track(survival_CnBL, valid_C)
         valid = np.asarray(valid_C, bool)
+        if valid.any() and self.chosen_tau is not None:
+            self.tau_sums[choice] += (1, self.chosen_tau[choice], np.asarray(accept_C)[valid].mean())
         if valid.any():
             s, y = budget.calibration_pairs(np.asarray(survival_CnBL)[valid, choice], np.asarray(accept_C)[valid])
             self.predicted.extend(s.tolist())
@@ -163,6 +169,9 @@ class Policy:
             "step_ms": {label(c): round(1e3 * t, 3) for c, t in zip(self.candidates, self.seconds) if t is not None},
             "switch_ms": round(1e3 * self.switch_s, 3),
             "rho": round(self.rho, 3),
+            # per candidate, over the steps it ran: the E[tau] it was chosen on against the accept length it got
+            "tau_chosen_on": {label(c): round(t[1] / t[0], 3) for c, t in zip(self.candidates, self.tau_sums) if t[0]},
+            "tau_realised": {label(c): round(t[2] / t[0], 3) for c, t in zip(self.candidates, self.tau_sums) if t[0]},
             "calibration_gamma": self.gamma,
         }
 

@@ -181,3 +181,17 @@ def test_a_stale_estimate_is_trusted_as_far_as_it_predicts_the_next_step(persist
     assert (pol.rho > 0.7) if persistent else (pol.rho < 0.3), pol.rho
     assert pol.choose(_regime(hard=True), np.ones(1)) == (2 if persistent else 0)
     assert pol.choose(_regime(hard=False), np.ones(1)) == 0
+
+
+def test_stats_compare_the_tau_each_candidate_was_chosen_on_with_what_it_got():
+    """A drafter whose estimates run high shows as tau_chosen_on above tau_realised for the candidates chosen."""
+    pol = autobudget.Policy(CANDS, explore_every=0, refit_every=0)
+    s = np.zeros((2, 3, 7))
+    s[:, :, :3] = 0.9  # every candidate expects 1 + 2.7 = 3.7 tokens a slot
+    for _ in range(12):
+        i = pol.choose(s, np.ones(2))
+        pol.observe(i, 0.01 * (i + 1), s, np.array([2, 3]), np.ones(2, bool))  # it gets 2.5
+    stats = pol.stats()
+    assert set(stats["tau_chosen_on"]) == {autobudget.label(c) for c in CANDS}  # all tried
+    for name in stats["tau_chosen_on"]:
+        assert stats["tau_chosen_on"][name] == pytest.approx(3.7) and stats["tau_realised"][name] == 2.5
