@@ -170,6 +170,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--expert-mode", default="ep", choices=sharding.EXPERT_MODES)
     ap.add_argument("--cpu-mesh8", action="store_true", help="tiny shapes on 8 emulated CPU devices")
+    names = [autobudget.label(c) for c in budget.CANDIDATES]
+    ap.add_argument("--candidates", nargs="+", default=names, choices=names, help="what auto chooses among")
     args = ap.parse_args(argv)
     if args.steps > bench_e2e.STEPS_CAP or args.explore > bench_e2e.STEPS_CAP:
         ap.error(f"--steps / --explore: at most {bench_e2e.STEPS_CAP} (the caches have room for that many commits)")
@@ -194,7 +196,7 @@ def main(argv=None) -> int:
     record = harness.record_header(args.commit, backend=jax.default_backend(), jax=jax.__version__, args=vars(args))
     record["profile"] = s.profile.__dict__
     record["rows"] = []
-    candidates = budget.CANDIDATES
+    candidates = tuple(c for c in budget.CANDIDATES if autobudget.label(c) in args.candidates)
     params, dparams = jax.block_until_ready(s.init_fn()())
     v = bench_e2e.Variant(args.layers, "ddtree", 32, 1, 0)
     template = s.step_config(v)

@@ -3,15 +3,15 @@ fixed choice, its estimate step and budget="auto" are measured per cell, and aut
 
 import json
 
-from k26jax import autobudget, budget
+import pytest
 
 
 def test_bench_auto_races_auto_against_every_fixed_choice(import_script, tmp_path):
     bench = import_script("bench_auto")
     out = tmp_path / "auto.json"
-    assert bench.main(["--cpu-mesh8", "--out", str(out)]) == 0
+    names = ["chain", "ddtree16"]  # a subset keeps the test short; the default races all of budget.CANDIDATES
+    assert bench.main(["--cpu-mesh8", "--candidates", *names, "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    names = [autobudget.label(c) for c in budget.CANDIDATES]
     assert [r["variant"] for r in rows] == ["ar", *[v for n in names for v in (n, f"{n}+estimate")], "auto"]
     for r in rows:
         assert r["step_ms"] > 0 and r["tok_s"] > 0 and r["C"] == 2 and r["context"] == 64
@@ -24,3 +24,9 @@ def test_bench_auto_races_auto_against_every_fixed_choice(import_script, tmp_pat
     assert set(policy["choices"]) == set(names)  # every candidate was tried
     assert set(policy["step_ms"]) == set(names) and 0.0 <= policy["rho"] <= 1.0 and policy["switch_ms"] >= 0
     assert sum(auto["choices_timed"].values()) > 0 and auto["policy_ms_per_step"] > 0
+
+
+def test_bench_auto_names_an_unknown_candidate(import_script, capsys):
+    with pytest.raises(SystemExit):
+        import_script("bench_auto").parse_args(["--candidates", "chain", "ddtree7"])
+    assert "ddtree7" in capsys.readouterr().err
