@@ -145,17 +145,13 @@ def bare_loop(args) -> dict:
 
         dec, params, dparams, _ = server.load_decoder(sargs)
     prompts = load_prompts(args, dec.cfg.vocab_size)
-    ctx_dtype = jax.tree.leaves(dparams)[0].dtype if dparams is not None else None
     room = sargs.max_len - args.prompt_len - dec.sc.depth - 1
     steps = min(args.bare_steps, room // (dec.sc.depth + 1) - 1)
     rows = {}
     for C in args.concurrency:
-        state = dec.empty(batch=C, max_len=sargs.max_len, dtype=params["embed"].dtype, ctx_dtype=ctx_dtype)
+        state = _empty(dec, params, dparams, C, sargs.max_len)
         for c in range(C):
-            ids = np.zeros((1, _bucket(args.prompt_len, sargs.max_len)), np.int32)
-            ids[0, : args.prompt_len] = prompts[c % len(prompts)]
-            scalars = (np.int32(args.prompt_len), np.uint32(c), np.float32(args.temperature), np.float32(1.0))
-            state = dec.insert(params, dparams, state, np.int32(c), ids, *scalars, np.int32(room))
+            state = _insert(args, sargs, dec, params, dparams, state, c, prompts, c, room)
         step = dec.step
         if sargs.budget == "auto":
             dec.prepare(params, dparams, state)
@@ -193,38 +189,38 @@ def bare_workload(args, sargs, dec, params, dparams, prompts, step, C: int, step
     HTTP, scheduling and streaming alone; against the steps-only loop it also pays the prefills and idle slots."""
     import jax
 
-    ctx_dtype = jax.tree.leaves(dparams)[0].dtype if dparams is not None else None
-    state = dec.empty(batch=C, max_len=sargs.max_len, dtype=params["embed"].dtype, ctx_dtype=ctx_dtype)
-    T, served = _bucket(args.prompt_len, sargs.max_len), 0
-
-    def insert(state, slot):
-        nonlocal served
-        ids = np.zeros((1, T), np.int32)
-        ids[0, : args.prompt_len] = prompts[served % len(prompts)]
-        scalars = (np.int32(args.prompt_len), np.uint32(served), np.float32(args.temperature), np.float32(1.0))
-        served += 1
-        state = dec.insert(params, dparams, state, np.int32(slot), ids, *scalars, np.int32(args.max_tokens))
-        return state, int(np.asarray(state.num_emitted)[slot])
-
+    state = _empty(dec, params, dparams, C, sargs.max_len)
     for c in range(C):
-        state = insert(state, c)[0]
+        state = _insert(args, sargs, dec, params, dparams, state, c, prompts, c, args.max_tokens)
     state = step(params, dparams, state)  # warm
     tokens, inserts, t0 = 0, 0, time.perf_counter()
     for _ in range(steps):
         state = step(params, dparams, state)
         host = jax.device_get({"num_emitted": state.num_emitted, "done": state.done})
         tokens += int(host["num_emitted"].sum())
-        for slot in np.flatnonzero(host["done"]):
-            state, first = insert(state, int(slot))
-            tokens, inserts = tokens + first, inserts + 1
+        for slot in map(int, np.flatnonzero(host["done"])):
+            served = C + inserts
+            state = _insert(args, sargs, dec, params, dparams, state, slot, prompts, served, args.max_tokens)
+            tokens, inserts = tokens + int(np.asarray(state.num_emitted)[slot]), inserts + 1
     seconds = time.perf_counter() - t0
     return dict(workload_steps=steps, workload_inserts=inserts, workload_tok_s=tokens / seconds)
 
 
-def _bucket(n: int, max_len: int) -> int:
-    from k26jax.serve.scheduler import bucket_for
+def _empty(dec, params, dparams, C: int, max_len: int):
+    import jax
 
-    return bucket_for(n, max_len)
+    ctx_dtype = jax.tree.leaves(dparams)[0].dtype if dparams is not None else None
+    return dec.empty(batch=C, max_len=max_len, dtype=params["embed"].dtype, ctx_dtype=ctx_dtype)
+
+
+def _insert(args, sargs, dec, params, dparams, state, slot: int, prompts, n: int, max_new: int):
+    """Insert prompt n (of the workload's, cycling) into `slot`, seeded n, as the server's scheduler inserts."""
+    from k26jax.serve.scheduler import bucket_for, insert_args
+
+    ids = np.zeros((1, bucket_for(args.prompt_len, sargs.max_len)), np.int32)
+    ids[0, : args.prompt_len] = prompts[n % len(prompts)]
+    extra = insert_args(slot, ids, args.prompt_len, max_new, args.temperature, 1.0, n)
+    return dec.insert(params, dparams, state, *extra)
 
 
 # ---- the workload ---------------------------------------------------------------------------------------------

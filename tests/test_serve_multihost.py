@@ -75,13 +75,13 @@ def test_the_follower_makes_the_leaders_calls_in_order(monkeypatch):
     thread.start()
     leader = multihost.Leader(lead)
     state = leader.empty(batch=4, max_len=64, dtype=jnp.bfloat16, ctx_dtype=jnp.float32)
-    state = leader.insert(None, None, state, *scheduler._insert_args(2, np.arange(16, dtype=np.int32)[None], 5, 9))
+    state = leader.insert(None, None, state, *scheduler.insert_args(2, np.arange(16, dtype=np.int32)[None], 5, 9))
     leader.prepare(None, None, state)
     state = leader.warm(None, None, state)
     for choice in (0, 3, 3, 5, 1, 2, 4, 0, 5):  # the auto policy's picks reach the follower with each step
         lead.choice = choice
         state = leader.step(None, None, state)
-    state = leader.insert(None, None, state, *scheduler._insert_args(0, np.ones((1, 32), np.int32), 7, 3, 0.7, 0.9, 11))
+    state = leader.insert(None, None, state, *scheduler.insert_args(0, np.ones((1, 32), np.int32), 7, 3, 0.7, 0.9, 11))
     assert leader.FIELDS == () and leader.auto is True  # every other attribute is the decoder's
     leader.stop()
     thread.join(10)
@@ -132,7 +132,7 @@ def test_the_leader_publishes_before_the_device_call(monkeypatch, call):
     leader = multihost.Leader(Raises())
     with pytest.raises(RuntimeError, match="device"):
         if call == "insert":
-            leader.insert(None, None, 0, *scheduler._insert_args(0, np.ones((1, 16), np.int32), 1, 1))
+            leader.insert(None, None, 0, *scheduler.insert_args(0, np.ones((1, 16), np.int32), 1, 1))
         else:
             leader.step(None, None, 0)
     assert list(kv.store) == ["serve/0"]

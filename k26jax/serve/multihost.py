@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k26jax import distributed
-from k26jax.serve.scheduler import _insert_args
+from k26jax.serve.scheduler import insert_args
 
 log = logging.getLogger("k26jax.serve")
 KEEP = 8  # calls whose keys stay published
@@ -91,9 +91,9 @@ def follow(dec, params, dparams) -> int:
                 state = None  # free the old state first, as process 0 does
                 ctx_dtype = None if ctx_dtype is None else jnp.dtype(ctx_dtype)
                 state = dec.empty(batch=batch, max_len=max_len, dtype=jnp.dtype(dtype), ctx_dtype=ctx_dtype)
-            elif kind == "insert":  # the values scheduler._insert_args made, in Decoder.insert's order
+            elif kind == "insert":  # the values scheduler.insert_args made, in Decoder.insert's order
                 slot, ids, length, seed, temperature, top_p, max_new = args[0]
-                values = _insert_args(slot, np.asarray(ids, np.int32), length, max_new, temperature, top_p, seed)
+                values = insert_args(slot, np.asarray(ids, np.int32), length, max_new, temperature, top_p, seed)
                 state = dec.insert(params, dparams, state, *values)
             elif kind == "step":
                 if hasattr(dec, "choice"):

@@ -170,7 +170,7 @@ class Scheduler:
         """Compile insert at every prompt bucket and the step (run once each on free slots) before serving."""
         for T in buckets(self.max_len):
             ids = np.zeros((1, T), np.int32)
-            self.state = self.dec.insert(self.params, self.dparams, self.state, *_insert_args(0, ids, 1, 1))
+            self.state = self.dec.insert(self.params, self.dparams, self.state, *insert_args(0, ids, 1, 1))
         if self.auto:  # every candidate's step, compiled for this state and run once
             self.dec.prepare(self.params, self.dparams, self.state, progress=log.info)
             self.state = self.dec.warm(self.params, self.dparams, self.state)
@@ -274,7 +274,7 @@ class Scheduler:
         T = bucket_for(n, self.max_len)
         ids = np.zeros((1, T), np.int32)
         ids[0, :n] = req.ids
-        args = _insert_args(slot, ids, n, req.max_new, req.temperature, req.top_p, req.seed)
+        args = insert_args(slot, ids, n, req.max_new, req.temperature, req.top_p, req.seed)
         started = time.perf_counter()
         self.state = self.dec.insert(self.params, self.dparams, self.state, *args)
         host = self._fetch()
@@ -342,7 +342,7 @@ class Scheduler:
         self.metrics.slots(0)
 
 
-def _insert_args(slot: int, ids_1T, length: int, max_new: int, temperature=0.0, top_p=1.0, seed=0):
+def insert_args(slot: int, ids_1T, length: int, max_new: int, temperature=0.0, top_p=1.0, seed=0):
     """Decoder.insert's arguments after the state, as host scalars of fixed dtypes (no retrace, no compile)."""
     return (
         np.int32(slot),
