@@ -118,7 +118,7 @@ def serve(sched: Scheduler, config, drain_timeout: float) -> int:
     """Run uvicorn until SIGTERM / SIGINT, draining the scheduler first; 0 after a clean stop."""
     # The engine thread waits for each step with the GIL released and needs it back the moment the step ends,
     # while the HTTP thread may be running Python (streaming chunks); CPython hands the GIL over only after the
-    # switch interval, 5 ms by default, which is a quarter of a step.
+    # switch interval, 5 ms by default: long against a decode step.
     sys.setswitchinterval(GIL_SWITCH_S)
     server = DrainingServer(config, sched, drain_timeout)
     # uvicorn re-raises the exit signal after its graceful shutdown; this handler makes that a clean exit
