@@ -1,22 +1,25 @@
 """budget="auto": each step runs the candidate (chain, or DDTree at a budget) with the most expected tokens a second.
 
 Every candidate's step is compiled with `StepConfig.estimate` = the candidates, so a step also reports, from its
-one tree build at the largest budget, the survival S [C, nB, L] of every candidate's tree (k26jax.budget). The
-host reads it with the step's tokens (the one small transfer a step its loops already make) and runs the next
-step with argmax_B sum_c E[tau_c](B) / t(B): the choice is one step stale and costs no device sync.
+one tree build at the largest budget, the survival S [C, nB, L] of every candidate's tree (k26jax.budget). That
+build costs a chain step about 5% (H100), so one step in `estimate_every` estimates and the others run the same
+candidate's step compiled with `estimate_stale` (same state, no build). The host reads S with the step's tokens
+(the one small transfer a step its loops already make) and runs the next step with argmax_B sum_c E[tau_c](B) /
+t(B): the choice is up to estimate_every steps stale and costs no device sync.
 
 t(B) is measured, not modelled: the exponential average of that candidate's step times in this process (dispatch
-to its tokens on the host) for this batch and cache size, taken only from steps that follow a step of the same
-candidate. A step that follows another candidate's may cost more (another executable), so that extra is measured
-on its own and the policy switches only when the better rate repays it within `horizon` steps. The choice is one
-step stale, so the next step's expected accept length is this step's shrunk toward its running mean by how well
-one step's estimate has predicted the next's (`Policy.rho`). Each candidate is tried first (a switch step, then
-two timed ones), and every `explore_every` steps the least recently timed one is tried again, since the costs
-move as contexts grow. Every candidate is lossless, so trying one changes speed, never the tokens at T = 0.
+to its tokens on the host) for this batch and cache size, taken only from non-estimating steps that follow a step
+of the same candidate (an estimating step's extra is measured apart: `estimate_ms`). A step that follows another
+candidate's may cost more (another executable), so that extra is measured on its own and the policy switches only
+when the better rate repays it within `horizon` steps. The choice is stale, so the next steps' expected accept
+length is the last estimate shrunk toward its running mean by how well one estimate has predicted the next
+(`Policy.rho`). Each candidate is tried first (a switch step, then two timed ones), and every `explore_every`
+steps the least recently timed one is tried again, since the costs move as contexts grow. Every candidate is
+lossless, so trying one changes speed, never the tokens at T = 0.
 
-Calibration: each step's predicted S_a of the tree it verified is paired with whether that slot's accept length
-reached a + 1; every `refit_every` steps `budget.calibrate` refits g(S) = S^gamma over the pairs so far (gamma > 1:
-the drafter is overconfident), and E[tau] = 1 + sum_a g(S_a).
+Calibration: each estimating step's predicted S_a of the tree it verified is paired with whether that slot's
+accept length reached a + 1; every `refit_every` estimates `budget.calibrate` refits g(S) = S^gamma over the pairs
+so far (gamma > 1: the drafter is overconfident), and E[tau] = 1 + sum_a g(S_a).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ EMA = 0.3  # weight of the newest step time
 MAX_PAIRS = 1 << 16  # calibration pairs kept (the newest)
 TRIAL = 2  # timed steps a candidate runs when it is tried
 MEAN_EMA = 0.05  # weight of the newest step in the running E[tau] statistics
-PREDICT_AFTER = 16  # steps seen before rho is estimated (until then the last step's E[tau] is used as is)
+PREDICT_AFTER = 16  # estimates seen before rho is estimated (until then the last E[tau] is used as is)
+ESTIMATE_EVERY = 8  # one step in this many builds the estimate (amortised cost ~0.6% at C = 1, ~1% at C = 8)
 
 
 def label(candidate) -> str:
@@ -53,9 +57,10 @@ class Policy:
     """The host side of budget="auto" for one batch and cache size: step times, calibration, the choice."""
 
     candidates: tuple
+    estimate_every: int = 1  # the AutoDecoder's: steps reporting no survival are the ones timed
     explore_every: int = 256
     horizon: int = 64
-    refit_every: int = 16
+    refit_every: int = 16  # estimates between refits of the calibration
     gamma: float = 1.0
     steps: int = 0
     predicted: list = dataclasses.field(default_factory=list)
@@ -68,6 +73,8 @@ class Policy:
         self.counts = [0] * n  # steps run per candidate
         self.timed = [0] * n  # steps timed per candidate
         self.switch_s = 0.0  # EMA of a switch step's extra seconds over the candidate's own time
+        self.estimate_s = None  # EMA of an estimating step's extra seconds (estimate_every > 1; None: not yet)
+        self.survival = None  # the last estimate's survival [C, nB, L]
         self.last = None  # the previous step's candidate
         self.trying = None  # the candidate under trial, until it has TRIAL more timed steps
         self.trial_until = 0
@@ -118,9 +125,13 @@ class Policy:
     def choose(self, survival_CnBL, active_C) -> int:
         """The next step's candidate index: a candidate under trial until it is timed; an untimed one; every
         explore_every steps the stalest; else the best expected rate, left for another only when the gain over
-        `horizon` steps repays the measured switch cost."""
+        `horizon` steps repays the measured switch cost. survival_CnBL: this step's estimate, or None (the last)."""
         active = np.asarray(active_C, bool)
-        self.chosen_tau = self.expected_tokens(survival_CnBL, active_C) / max(active.sum(), 1)
+        if survival_CnBL is not None:
+            self.survival = survival_CnBL
+        if self.survival is None:
+            self.survival = np.zeros((len(active), len(self.candidates), 1))
+        self.chosen_tau = self.expected_tokens(self.survival, active_C) / max(active.sum(), 1)
         if self.trying is not None and self.timed[self.trying] < self.trial_until:
             return self.trying
         self.trying = None
@@ -139,28 +150,34 @@ class Policy:
         return best if repaid else self.last
 
     def observe(self, choice: int, seconds: float, survival_CnBL, accept_C, valid_C) -> None:
-        """A step of candidate `choice` took `seconds`; accept_C: its accept lengths, valid_C: the slots where
-        that length is the tree's (active and not cut by EOS or a token limit)."""
-        if choice == self.last:
+        """A step of candidate `choice` took `seconds`; survival_CnBL: the estimate it reported (None for a step
+        that estimated nothing); accept_C: its accept lengths, valid_C: the slots where that length is the tree's
+        (active and not cut by EOS or a token limit)."""
+        plain = survival_CnBL is None or self.estimate_every == 1
+        if choice == self.last and plain:
             first = self.timed[choice] == 0  # its first timed step may carry an executable's one-off costs
             self.seconds[choice] = _ema(None if first or self.timed[choice] == 1 else self.seconds[choice], seconds)
             self.timed[choice] += 1
             self.timed_at[choice] = self.steps
-        elif self.timed[choice] >= 2:
+        elif choice == self.last and self.timed[choice] >= 2:
+            self.estimate_s = max(0.0, _ema(self.estimate_s, seconds - self.seconds[choice]))
+        elif self.timed[choice] >= 2 and plain:
             self.switch_s = max(0.0, _ema(self.switch_s, seconds - self.seconds[choice]))
         self.counts[choice] += 1
         self.last = choice
         self.steps += 1
-        self._track(survival_CnBL, valid_C)
         valid = np.asarray(valid_C, bool)
         if valid.any() and self.chosen_tau is not None:
             self.tau_sums[choice] += (1, self.chosen_tau[choice], np.asarray(accept_C)[valid].mean())
+        if survival_CnBL is None:
+            return
+        self._track(survival_CnBL, valid_C)
         if valid.any():
             s, y = budget.calibration_pairs(np.asarray(survival_CnBL)[valid, choice], np.asarray(accept_C)[valid])
             self.predicted.extend(s.tolist())
             self.observed.extend(y.tolist())
             del self.predicted[:-MAX_PAIRS], self.observed[:-MAX_PAIRS]
-        if self.refit_every and self.steps % self.refit_every == 0 and self.predicted:
+        if self.refit_every and self.seen % self.refit_every == 0 and self.predicted:
             self.gamma = budget.calibrate(self.predicted, self.observed, kind="power").gamma
 
     def stats(self) -> dict:
@@ -168,6 +185,8 @@ class Policy:
             "choices": {label(c): n for c, n in zip(self.candidates, self.counts) if n},
             "step_ms": {label(c): round(1e3 * t, 3) for c, t in zip(self.candidates, self.seconds) if t is not None},
             "switch_ms": round(1e3 * self.switch_s, 3),
+            "estimate_every": self.estimate_every,
+            "estimate_ms": None if self.estimate_s is None else round(1e3 * self.estimate_s, 3),
             "rho": round(self.rho, 3),
             # per candidate, over the steps it ran: the E[tau] it was chosen on against the accept length it got
             "tau_chosen_on": {label(c): round(t[1] / t[0], 3) for c, t in zip(self.candidates, self.tau_sums) if t[0]},
@@ -177,77 +196,96 @@ class Policy:
 
 
 class AutoDecoder:
-    """A Decoder per candidate over one shared decode state: `prefill`, `empty` and `insert` are a Decoder's;
-    `prepare` compiles every candidate's step for a state's shapes and picks the policy of those shapes; `step`
-    runs the current choice. After each step the caller reads `FIELDS` of the state to the host and passes them
-    to `observe`, which times the step and picks the next candidate."""
+    """Two Decoders per candidate over one shared decode state (its step estimating, and `estimate_stale`):
+    `prefill`, `empty` and `insert` are a Decoder's; `prepare` compiles every candidate's steps for a state's
+    shapes and picks the policy of those shapes; `step` runs the current choice (`fresh`: its estimating step).
+    After each step the caller reads `FIELDS` of the state to the host and passes them to `observe`, which times
+    the step and picks the next candidate."""
 
     FIELDS = ("survival", "num_emitted", "done")
     auto = True
 
-    def __init__(self, cfg, dcfg, sc: engine.StepConfig, impls, candidates=CANDIDATES, **decoder_kw):
-        self.cfg, self.candidates = cfg, tuple(candidates)
+    def __init__(
+        self, cfg, dcfg, sc: engine.StepConfig, impls, candidates=CANDIDATES, estimate_every=ESTIMATE_EVERY, **kw
+    ):
+        if estimate_every < 1:
+            raise ValueError(f"estimate_every={estimate_every}: need >= 1")
+        self.cfg, self.candidates, self.estimate_every = cfg, tuple(candidates), estimate_every
+        stale = (False, True) if estimate_every > 1 else (False,)
         self.decoders = tuple(
-            engine.Decoder(
-                cfg, dcfg, dataclasses.replace(sc, method=m, budget=b, estimate=self.candidates), impls, **decoder_kw
+            tuple(
+                engine.Decoder(
+                    cfg,
+                    dcfg,
+                    dataclasses.replace(sc, method=m, budget=b, estimate=self.candidates, estimate_stale=x),
+                    impls,
+                    **kw,
+                )
+                for x in stale
             )
             for m, b in self.candidates
         )
-        self.sc = self.decoders[-1].sc
-        self._prepared: dict = {}  # shapes -> (executables, Policy)
+        self.sc = self.decoders[-1][0].sc
+        self._prepared: dict = {}  # shapes -> (executables [candidate][estimating, stale], Policy)
         self.executables, self.policy = None, None
-        self.choice, self._dispatched = 0, None
+        self.choice, self.fresh, self._since, self._dispatched = 0, True, 0, None
 
     def prefill(self, *args, **kw):
-        return self.decoders[0].prefill(*args, **kw)
+        return self.decoders[0][0].prefill(*args, **kw)
 
     def empty(self, **kw):
-        return self.decoders[0].empty(**kw)
+        return self.decoders[0][0].empty(**kw)
 
     def insert(self, *args):
-        return self.decoders[0].insert(*args)
+        return self.decoders[0][0].insert(*args)
 
     def prepare(self, params, dparams, state, progress=None) -> Policy:
         """Compile every candidate's step for this state's batch and cache, in parallel threads (once per shapes;
         progress(msg) is told) and use those shapes' policy, whose timings persist across calls."""
-        key = (state.root.shape[0], state.cache.rows.shape, str(state.cache.rows.dtype))
+        C = state.root.shape[0]
+        key = (C, state.cache.rows.shape, str(state.cache.rows.dtype))
         if key not in self._prepared:
+            decs = [d for pair in self.decoders for d in pair]
             if progress:
                 names = ", ".join(map(label, self.candidates))
-                progress(f"compiling {len(self.decoders)} candidate steps in parallel ({names})")
-            with concurrent.futures.ThreadPoolExecutor(len(self.decoders)) as pool:
-                exes = list(pool.map(lambda d: d.compile("step", params, dparams, state), self.decoders))
-            self._prepared[key] = (exes, Policy(self.candidates))
+                progress(f"compiling {len(decs)} candidate steps in parallel ({names}; estimating and not)")
+            with concurrent.futures.ThreadPoolExecutor(len(decs)) as pool:
+                exes = iter(pool.map(lambda d: d.compile("step", params, dparams, state), decs))
+            pairs = [tuple(next(exes) for _ in pair) for pair in self.decoders]
+            self._prepared[key] = (pairs, Policy(self.candidates, estimate_every=self.estimate_every))
         self.executables, self.policy = self._prepared[key]
-        self.choice = self.policy.choose(np.zeros((1, len(self.candidates), 1)), np.ones(1))
+        self.choice, self.fresh, self._since = self.policy.choose(None, np.ones(C)), True, 0
         return self.policy
 
     def warm(self, params, dparams, state):
-        """Run every candidate's step once on a state with `prepare`d shapes (its first-run costs), untimed;
+        """Run every candidate's steps once on a state with `prepare`d shapes (their first-run costs), untimed;
         returns the state."""
-        for exe in self.executables:
+        for exe in [e for pair in self.executables for e in pair]:
             state = exe(params, dparams, state)
         return state
 
     def step(self, params, dparams, state):
         if self.policy is None:
             raise RuntimeError("AutoDecoder.step: call prepare(params, dparams, state) first")
-        self._dispatched = (self.choice, time.perf_counter())
-        return self.executables[self.choice](params, dparams, state)
+        self._dispatched = (self.choice, self.fresh, time.perf_counter())
+        return self.executables[self.choice][0 if self.fresh else 1](params, dparams, state)
 
     def observe(self, host: dict, was_done_C) -> int:
         """host: this step's FIELDS on the host; was_done_C: the slots already done before it. Returns the next
         step's candidate index."""
-        choice, started = self._dispatched
+        choice, fresh, started = self._dispatched
         seconds = time.perf_counter() - started
         done = np.asarray(host["done"], bool)
         valid = ~np.asarray(was_done_C, bool) & ~done
-        self.policy.observe(choice, seconds, host["survival"], np.asarray(host["num_emitted"]), valid)
-        self.choice = self.policy.choose(host["survival"], ~done)
+        survival = host["survival"] if fresh else None
+        self.policy.observe(choice, seconds, survival, np.asarray(host["num_emitted"]), valid)
+        self.choice = self.policy.choose(survival, ~done)
+        self._since = 0 if fresh else self._since + 1
+        self.fresh = self._since + 1 >= self.estimate_every
         return self.choice
 
 
 @functools.lru_cache(maxsize=16)
-def auto_decoder(cfg, dcfg, sc: engine.StepConfig, impls, candidates=CANDIDATES, **decoder_kw) -> AutoDecoder:
+def auto_decoder(cfg, dcfg, sc: engine.StepConfig, impls, candidates=CANDIDATES, **kw) -> AutoDecoder:
     """The AutoDecoder of these settings, shared by calls (so its compiled steps and measured times persist)."""
-    return AutoDecoder(cfg, dcfg, sc, impls, candidates, **decoder_kw)
+    return AutoDecoder(cfg, dcfg, sc, impls, candidates, **kw)

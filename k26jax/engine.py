@@ -46,6 +46,8 @@ class StepConfig:
     most likely tokens there, computed on the accepted path only. estimate: (method, budget) candidates whose
     tree survival the step also reports in `DecodeState.survival`, from one build at the largest budget
     (k26jax.budget; what budget="auto" chooses from); a DDTree step then verifies that build's prefix.
+    estimate_stale: keep the state's survival as it is (estimate's shapes, none of its cost): budget="auto" runs
+    these steps between estimating ones.
     """
 
     method: str = "ddtree"
@@ -57,6 +59,7 @@ class StepConfig:
     logprobs: bool = False
     top_logprobs: int = 0
     estimate: tuple[tuple[str, int], ...] = ()
+    estimate_stale: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -69,6 +72,8 @@ class StepConfig:
             raise ValueError(f"top_logprobs={self.top_logprobs}: need 0..{MAX_TOP_LOGPROBS}, and logprobs=True")
         if self.estimate and (self.method == "ar" or any(m not in ("chain", "ddtree") for m, _ in self.estimate)):
             raise ValueError(f"estimate={self.estimate}: chain / ddtree candidates, for a chain or ddtree step")
+        if self.estimate_stale and not self.estimate:
+            raise ValueError("estimate_stale=True: keeps an estimate's survival, so needs estimate candidates")
 
     @property
     def depth(self) -> int:
@@ -415,11 +420,11 @@ class TreeAccept:
 # ---- one step --------------------------------------------------------------------------------------------
 def build_tree(draft_logits_CLV, *, sc: StepConfig, impls: ops.Impls):
     """((tokens [C,B], depths [C,B], parents [C,B+1], num_nodes [C]) for the step's method, survival [C, nB, L]
-    of sc.estimate's candidates (nB = 0 without))."""
+    of sc.estimate's candidates (nB = 0 without; None with sc.estimate_stale)."""
     C, L, V = draft_logits_CLV.shape
     B = sc.tree_size
-    survival = jnp.zeros((C, 0, L), jnp.float32)
-    if sc.estimate:
+    survival = None if sc.estimate_stale else jnp.zeros((C, 0, L), jnp.float32)
+    if sc.estimate and not sc.estimate_stale:
         est = budget.candidate_taus(draft_logits_CLV, sc.estimate, impls=impls)
         survival = est.survival
         if sc.method == "ddtree" and B <= est.tree[0].shape[1]:
@@ -475,7 +480,7 @@ def step(
         state = commit(
             state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc, drafter=drafter
         )
-        state = state.replace(survival=survival)
+        state = state if survival is None else state.replace(survival=survival)
     if not sc.logprobs:
         return state
     # emitted token j was chosen at path node j: its distribution is that node's row of logits

@@ -5,8 +5,8 @@ bench_e2e's model (K2.6 width at depth --layers, random weights made on the devi
 Per (C, context) cell, each timed as --steps host-driven steps (dispatch, then the step's tokens and survival to the
 host), median over --repeats, caches reset to the context before each repeat:
   * fixed: AR, chain and DDTree at each budget, plain steps (what a fixed --budget runs);
-  * estimate: the same chain / DDTree steps with StepConfig.estimate (what auto runs): their extra time over the
-    plain step is the cost of the choice's estimate;
+  * estimate: the same chain / DDTree steps with StepConfig.estimate (what auto runs one step in
+    --estimate-every): their extra time over the plain step is the cost of the choice's estimate;
   * auto: `autobudget.AutoDecoder` after --explore untimed steps of exploration, then the policy as it runs.
 tok/s = tokens emitted / wall time (the synthetic target accepts nothing else). The record gives per cell auto's
 tok/s over the best fixed choice's and over DDTree B = 32's, the policy's choices and measured step times.
@@ -128,8 +128,9 @@ def run_cell(cell: Cell, auto: autobudget.AutoDecoder, args, candidates, plain: 
     for i, (m, b) in enumerate(candidates):
         name = autobudget.label((m, b))
         rows.append(cell.measure(name, m, plain[name], args, fields=("num_emitted", "done")))
-        est = cell.measure(f"{name}+estimate", m, auto.executables[i], args, estimates=n)
-        rows.append(est | {"estimate_cost": est["step_ms"] / rows[-1]["step_ms"] - 1})
+        est = cell.measure(f"{name}+estimate", m, auto.executables[i][0], args, estimates=n)
+        cost = est["step_ms"] / rows[-1]["step_ms"] - 1
+        rows.append(est | {"estimate_cost": cost, "estimate_cost_amortised": cost / auto.estimate_every})
     policy_s, timed = [], collections.Counter()
 
     def observe(host, record=True):
@@ -168,11 +169,14 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--explore", type=int, default=16, help="untimed auto steps before each timed repeat")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--estimate-every", type=int, default=autobudget.ESTIMATE_EVERY, help="auto's estimating steps")
     ap.add_argument("--expert-mode", default="ep", choices=sharding.EXPERT_MODES)
     ap.add_argument("--cpu-mesh8", action="store_true", help="tiny shapes on 8 emulated CPU devices")
     names = [autobudget.label(c) for c in budget.CANDIDATES]
     ap.add_argument("--candidates", nargs="+", default=names, choices=names, help="what auto chooses among")
     args = ap.parse_args(argv)
+    if args.estimate_every < 1:
+        ap.error(f"--estimate-every {args.estimate_every}: need >= 1")
     if args.steps > bench_e2e.STEPS_CAP or args.explore > bench_e2e.STEPS_CAP:
         ap.error(f"--steps / --explore: at most {bench_e2e.STEPS_CAP} (the caches have room for that many commits)")
     if args.cpu_mesh8:
@@ -201,7 +205,8 @@ def main(argv=None) -> int:
     v = bench_e2e.Variant(args.layers, "ddtree", 32, 1, 0)
     template = s.step_config(v)
     for C in args.concurrency:
-        auto = autobudget.AutoDecoder(s.cfg, s.dcfg, template, s.impls, candidates, **s.acceptance(v))
+        kw = s.acceptance(v) | {"estimate_every": args.estimate_every}
+        auto = autobudget.AutoDecoder(s.cfg, s.dcfg, template, s.impls, candidates, **kw)
         plain = None  # one shape per C: the caches are sized for the largest context
         for context in args.contexts:
             print(f"[auto] C={C} context={context}: compiling and timing", flush=True)

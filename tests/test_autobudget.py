@@ -119,6 +119,14 @@ def test_a_step_reports_the_survival_budget_estimates_from_its_draft():
     want = budget.candidate_taus(logits, CANDS, impls=model.impls).survival
     np.testing.assert_allclose(np.asarray(state.survival), np.asarray(want), rtol=1e-6, atol=1e-7)
     assert state.survival.shape == (2, len(CANDS), sc.depth) and float(np.min(want[:, :, 0])) > 1e-4
+    stale = engine.Decoder(model.cfg, model.drafter_cfg, dataclasses.replace(sc, estimate_stale=True), model.impls,
+                           drafter=draft)  # fmt: skip
+    before = np.asarray(state.survival)
+    kept = stale.step(model.params, model.drafter_params, jax.tree.map(lambda x: x.copy(), state))  # steps donate
+    after = dec.step(model.params, model.drafter_params, state)
+    np.testing.assert_array_equal(np.asarray(kept.survival), before)  # not rebuilt
+    assert not np.array_equal(np.asarray(after.survival), before)
+    np.testing.assert_array_equal(np.asarray(kept.out), np.asarray(after.out))  # the same tree verified
 
 
 def test_auto_decoding_emits_ar_tokens_and_reports_its_choices():
@@ -135,6 +143,7 @@ def test_auto_decoding_emits_ar_tokens_and_reports_its_choices():
         jax.config.update("jax_default_matmul_precision", None)
     assert first.tokens == ar.tokens == again.tokens
     a = first.stats["auto"]
+    assert a["estimate_every"] == autobudget.ESTIMATE_EVERY > 1  # most steps ran the candidates' stale twins
     assert first.stats["budget"] == "auto" and sum(a["choices"].values()) == first.stats["steps"]
     assert all(a["choices"].get(autobudget.label(c), 0) >= 2 for c in budget.CANDIDATES)  # each tried twice
     assert set(a["step_ms"]) == {autobudget.label(c) for c in budget.CANDIDATES}
@@ -195,3 +204,24 @@ def test_stats_compare_the_tau_each_candidate_was_chosen_on_with_what_it_got():
     assert set(stats["tau_chosen_on"]) == {autobudget.label(c) for c in CANDS}  # all tried
     for name in stats["tau_chosen_on"]:
         assert stats["tau_chosen_on"][name] == pytest.approx(3.7) and stats["tau_realised"][name] == 2.5
+
+
+def test_with_estimate_every_k_only_plain_steps_are_timed_and_only_estimates_are_learnt_from():
+    """An estimating step's extra time is estimate_ms, not the candidate's step time; a step with no estimate
+    adds no calibration pair and the choice keeps using the last estimate."""
+    rng = np.random.default_rng(4)
+    pol = autobudget.Policy(CANDS, estimate_every=4, explore_every=0, refit_every=0)
+    for i, t in enumerate((0.010, 0.012, 0.030)):
+        pol.observe(i, t, None, np.ones(1, int), np.ones(1, bool))  # a switch step
+        for _ in range(2):
+            pol.observe(i, t, None, np.ones(1, int), np.ones(1, bool))
+    pairs = len(pol.predicted)
+    for _ in range(4):
+        pol.observe(2, 0.034, _survival(rng, C=1), np.ones(1, int), np.ones(1, bool))  # estimating: 4 ms more
+    assert pol.seconds == pytest.approx([0.010, 0.012, 0.030]) and pol.estimate_s == pytest.approx(0.004)
+    assert pol.stats()["estimate_ms"] == pytest.approx(4.0) and len(pol.predicted) == pairs + 4 * 7
+    s = np.zeros((1, 3, 7))
+    s[0, 2] = 1.0  # the big tree expects 8 tokens, the others 1: worth its 3x step time
+    assert pol.choose(s, np.ones(1)) == 2
+    pol.observe(2, 0.030, None, np.ones(1, int), np.ones(1, bool))
+    assert pol.choose(None, np.ones(1)) == 2 and len(pol.predicted) == pairs + 4 * 7

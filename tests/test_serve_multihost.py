@@ -43,7 +43,7 @@ class Recorder:
     FIELDS = ()
 
     def __init__(self):
-        self.calls, self.choice = [], 0
+        self.calls, self.choice, self.fresh = [], 0, True
 
     def empty(self, *, batch, max_len, dtype, ctx_dtype=None):
         self.calls.append(("empty", batch, max_len, jnp.dtype(dtype).name, ctx_dtype and jnp.dtype(ctx_dtype).name))
@@ -54,7 +54,7 @@ class Recorder:
         return len(self.calls)
 
     def step(self, params, dparams, state):
-        self.calls.append(("step", state, self.choice))
+        self.calls.append(("step", state, self.choice, self.fresh))
         return len(self.calls)
 
     def prepare(self, params, dparams, state, progress=None):
@@ -78,8 +78,8 @@ def test_the_follower_makes_the_leaders_calls_in_order(monkeypatch):
     state = leader.insert(None, None, state, *scheduler.insert_args(2, np.arange(16, dtype=np.int32)[None], 5, 9))
     leader.prepare(None, None, state)
     state = leader.warm(None, None, state)
-    for choice in (0, 3, 3, 5, 1, 2, 4, 0, 5):  # the auto policy's picks reach the follower with each step
-        lead.choice = choice
+    for i, choice in enumerate((0, 3, 3, 5, 1, 2, 4, 0, 5)):  # the auto policy's picks reach the follower
+        lead.choice, lead.fresh = choice, i % 3 == 0  # with whether the step estimates
         state = leader.step(None, None, state)
     state = leader.insert(None, None, state, *scheduler.insert_args(0, np.ones((1, 32), np.int32), 7, 3, 0.7, 0.9, 11))
     assert leader.FIELDS == () and leader.auto is True  # every other attribute is the decoder's

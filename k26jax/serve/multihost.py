@@ -57,7 +57,7 @@ class Leader:
         return self.dec.insert(params, dparams, state, *args)
 
     def step(self, params, dparams, state):
-        self._publish("step", getattr(self.dec, "choice", 0))
+        self._publish("step", getattr(self.dec, "choice", 0), getattr(self.dec, "fresh", True))
         return self.dec.step(params, dparams, state)
 
     def prepare(self, params, dparams, state, progress=None):
@@ -97,7 +97,7 @@ def follow(dec, params, dparams) -> int:
                 state = dec.insert(params, dparams, state, *values)
             elif kind == "step":
                 if hasattr(dec, "choice"):
-                    dec.choice = args[0]
+                    dec.choice, dec.fresh = args
                 state = dec.step(params, dparams, state)
             elif kind == "prepare":
                 dec.prepare(params, dparams, state)
