@@ -43,6 +43,7 @@ import numpy as np
 
 from k26jax import engine, ops, routing, synthetic
 from k26jax.model import drafter as drafter_lib
+from k26jax.model import layers as layers_mod
 from k26jax.model import params as param_table
 from k26jax.model.layers import mm, rms_norm
 from k26jax.step_cost import kimi_drafter_config
@@ -260,18 +261,22 @@ def parse_args(argv=None):
     ap.add_argument("--collective-us", type=float, default=10.0, help="latency per collective, microseconds")
     ap.add_argument("--nvlink-GBps", type=float, default=360.0, help="all-reduce bus bandwidth per GPU, GB/s")
     ap.add_argument("--profile", default=None, help="write jax.profiler traces here and break each step down")
+    ap.add_argument("--gemv-rows", type=int, default=None, help="layers.GEMV_MAX_ROWS for this run (A/B)")
     harness.add_record_args(ap, "bench/results/share.json")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.gemv_rows is not None:
+        layers_mod.GEMV_MAX_ROWS = args.gemv_rows
     ceil = harness.measure_ceilings(small=args.preset == "tiny")
     record = harness.record_header(
         args.commit,
         gpus=args.gpus,
         expert_mode=args.expert_mode,
         collective_model={"latency_us": args.collective_us, "busbw_GBps": args.nvlink_GBps, "form": "ring"},
+        gemv_max_rows=layers_mod.GEMV_MAX_ROWS,
         ceilings=ceil.record(),
         rows=[],
     )

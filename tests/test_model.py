@@ -211,6 +211,35 @@ def test_dense_dots_pad_rows_on_the_gpu(monkeypatch):
         np.testing.assert_allclose(got_weights, weights, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "subscripts, x_shape, w_shape",
+    [
+        ("btd,dhq->bthq", (1, 1, 40), (40, 3, 5)),
+        ("bthv,hvd->btd", (2, 1, 3, 4), (3, 4, 33)),
+        ("bthr,hvr->bthv", (1, 2, 3, 16), (3, 5, 16)),
+        ("bnd,de->bne", (1, 3, 8), (8, 1)),
+        ("btd,dk->btk", (1, 1, 1), (1, 7)),
+    ],
+)
+def test_few_row_dots_as_a_multiply_reduce_equal_the_einsum(monkeypatch, subscripts, x_shape, w_shape):
+    """layers.multiply_reduce on fresh float32 inputs against numpy's einsum (odd sizes, a contraction of 1, a
+    transposed weight), and mm takes it on the GPU for at most GEMV_MAX_ROWS rows (posing as the GPU)."""
+    rng = np.random.default_rng(sum(x_shape) + sum(w_shape))
+    x, w = rng.standard_normal(x_shape).astype(np.float32), rng.standard_normal(w_shape).astype(np.float32)
+    want = np.einsum(subscripts, x.astype(np.float64), w.astype(np.float64))
+    got = L.multiply_reduce(subscripts, jnp.asarray(x), jnp.asarray(w))
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    calls = []
+    monkeypatch.setattr(L, "multiply_reduce", lambda *a: calls.append(a) or jnp.zeros(want.shape))
+    monkeypatch.setattr(L.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(L, "GEMV_MAX_ROWS", x_shape[0] * x_shape[1])
+    assert L.mm(subscripts, jnp.asarray(x), jnp.asarray(w)).shape == want.shape and len(calls) == 1
+    monkeypatch.setattr(L, "GEMV_MAX_ROWS", x_shape[0] * x_shape[1] - 1)
+    np.testing.assert_allclose(L.mm(subscripts, jnp.asarray(x), jnp.asarray(w)), want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1
+
+
 # ---- whole model -------------------------------------------------------------------------------------------
 def test_prefill_equals_token_by_token_decode(tiny):
     cfg, params = tiny

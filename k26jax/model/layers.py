@@ -21,6 +21,9 @@ F32 = jnp.float32
 # On the GPU a dot of fewer rows is lowered to XLA's own kernel, which copies a weight sliced out of a layer stack
 # (ops.COMPILER_OPTIONS); the dense dots below pad their rows up to this many so cuBLAS reads the slice in place.
 GPU_MIN_ROWS = 8
+# On the GPU a dense dot of at most this many rows runs as one multiply-reduce fusion instead (0: never), which
+# reads the weight once with no padded rows.
+GEMV_MAX_ROWS = 0
 
 
 def pad_rows(x, rows_per_item: int = 1):
@@ -41,11 +44,29 @@ def mm(subscripts: str, x, w, out_dtype=None, precision=None):
     """
     out_dtype = out_dtype or x.dtype
     w = w.astype(x.dtype)
+    if jax.default_backend() == "gpu" and precision is None and x.shape[0] * x.shape[1] <= GEMV_MAX_ROWS:
+        return multiply_reduce(subscripts, x, w).astype(out_dtype)
     if jax.default_backend() == "cpu" and x.dtype == jnp.bfloat16:
         return jnp.einsum(subscripts, x.astype(F32), w.astype(F32), precision=precision).astype(out_dtype)
     padded = pad_rows(x, x.shape[1])
     out = jnp.einsum(subscripts, padded, w, preferred_element_type=F32, precision=precision).astype(out_dtype)
     return out[: x.shape[0]]
+
+
+def multiply_reduce(subscripts: str, x, w):
+    """einsum as a broadcast product summed in fp32 (a fusion, not a dot): for dots of a few rows."""
+    ins, out = subscripts.split("->")
+    a, b = ins.split(",")
+    letters = list(dict.fromkeys(a + b))
+
+    def expand(t, s):  # t laid out over `letters`, size 1 where s lacks a letter
+        order = [c for c in letters if c in s]
+        t = jnp.transpose(t.astype(F32), [s.index(c) for c in order])
+        return t.reshape([t.shape[order.index(c)] if c in s else 1 for c in letters])
+
+    total = jnp.sum(expand(x, a) * expand(w, b), axis=tuple(i for i, c in enumerate(letters) if c not in out))
+    kept = [c for c in letters if c in out]
+    return jnp.transpose(total, [kept.index(c) for c in out])
 
 
 def rms_norm(x, weight, eps: float):
