@@ -204,11 +204,13 @@ def test_dense_dots_pad_rows_on_the_gpu(monkeypatch):
     assert L.pad_rows(xs[0], 1).shape[0] == L.GPU_MIN_ROWS
     assert L.pad_rows(xs[1], 3).shape[0] == 3  # 3 x 3 rows >= 8
     assert L.pad_rows(xs[1], 4) is xs[1]
-    for x, (dot, (ids, weights)) in zip(xs, want):
-        np.testing.assert_allclose(L.mm("btd,dk->btk", x, w), dot, rtol=1e-6)
-        got_ids, got_weights = L.route(kernel, bias, x.reshape(-1, cfg.hidden_size), cfg)
-        np.testing.assert_array_equal(got_ids, ids)
-        np.testing.assert_allclose(got_weights, weights, rtol=1e-6)
+    for gemv_rows in (0, 8):  # padded cuBLAS rows, then the multiply-reduce (the router's HIGHEST precision too)
+        monkeypatch.setattr(L, "GEMV_MAX_ROWS", gemv_rows)
+        for x, (dot, (ids, weights)) in zip(xs, want):
+            np.testing.assert_allclose(L.mm("btd,dk->btk", x, w), dot, rtol=1e-5, atol=1e-5)
+            got_ids, got_weights = L.route(kernel, bias, x.reshape(-1, cfg.hidden_size), cfg)
+            np.testing.assert_array_equal(got_ids, ids)
+            np.testing.assert_allclose(got_weights, weights, rtol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ F32 = jnp.float32
 # (ops.COMPILER_OPTIONS); the dense dots below pad their rows up to this many so cuBLAS reads the slice in place.
 GPU_MIN_ROWS = 8
 # On the GPU a dense dot of at most this many rows runs as one multiply-reduce fusion instead (0: never), which
-# reads the weight once with no padded rows.
+# reads the weight once with no padded rows; its fp32 products and sums meet any `precision` asked of mm.
 GEMV_MAX_ROWS = 0
 
 
@@ -44,7 +44,7 @@ def mm(subscripts: str, x, w, out_dtype=None, precision=None):
     """
     out_dtype = out_dtype or x.dtype
     w = w.astype(x.dtype)
-    if jax.default_backend() == "gpu" and precision is None and x.shape[0] * x.shape[1] <= GEMV_MAX_ROWS:
+    if jax.default_backend() == "gpu" and x.shape[0] * x.shape[1] <= GEMV_MAX_ROWS:  # fp32: any precision asked
         return multiply_reduce(subscripts, x, w).astype(out_dtype)
     if jax.default_backend() == "cpu" and x.dtype == jnp.bfloat16:
         return jnp.einsum(subscripts, x.astype(F32), w.astype(F32), precision=precision).astype(out_dtype)
