@@ -13,9 +13,9 @@ of the same candidate (an estimating step's extra is measured apart: `estimate_m
 candidate's may cost more (another executable), so that extra is measured on its own and the policy switches only
 when the better rate repays it within `horizon` steps. The choice is stale, so the next steps' expected accept
 length is the last estimate shrunk toward its running mean by how well one estimate has predicted the next
-(`Policy.rho`). Each candidate is tried first (a switch step, then two timed ones), and every `explore_every`
-steps the least recently timed one is tried again, since the costs move as contexts grow. Every candidate is
-lossless, so trying one changes speed, never the tokens at T = 0.
+(`Policy.rho`; until PREDICT_AFTER estimates, the mean). Each candidate is tried first (a switch step, then two
+timed ones), and every `explore_every` steps the least recently timed one is tried again, since the costs move
+as contexts grow. Every candidate is lossless, so trying one changes speed, never the tokens at T = 0.
 
 Calibration: each estimating step's predicted S_a of the tree it verified is paired with whether that slot's
 accept length reached a + 1; every `refit_every` estimates `budget.calibrate` refits g(S) = S^gamma over the pairs
@@ -37,8 +37,8 @@ CANDIDATES = budget.CANDIDATES
 EMA = 0.3  # weight of the newest step time
 MAX_PAIRS = 1 << 16  # calibration pairs kept (the newest)
 TRIAL = 2  # timed steps a candidate runs when it is tried
-MEAN_EMA = 0.05  # weight of the newest step in the running E[tau] statistics
-PREDICT_AFTER = 16  # estimates seen before rho is estimated (until then the last E[tau] is used as is)
+MEAN_EMA = 0.05  # weight of the newest estimate in the running E[tau] statistics (1/n before 1/MEAN_EMA of them)
+PREDICT_AFTER = 8  # estimates seen before rho is estimated (until then Policy.rho_prior)
 ESTIMATE_EVERY = 8  # one step in this many builds the estimate (amortised cost ~0.6% at C = 1, ~1% at C = 8)
 
 
@@ -61,6 +61,7 @@ class Policy:
     explore_every: int = 256
     horizon: int = 64
     refit_every: int = 16  # estimates between refits of the calibration
+    rho_prior: float = 0.0  # rho before PREDICT_AFTER estimates: 0 predicts with their mean, 1 with the last
     gamma: float = 1.0
     steps: int = 0
     predicted: list = dataclasses.field(default_factory=list)
@@ -90,15 +91,15 @@ class Policy:
     @property
     def rho(self) -> float:
         """How much this step's E[tau] says about the next step's, in [0, 1]: the lag-1 autocorrelation of the
-        largest candidate's per-slot E[tau] (1 until PREDICT_AFTER steps have been seen)."""
+        largest candidate's per-slot E[tau] (rho_prior until PREDICT_AFTER estimates have been seen)."""
         if self.seen < PREDICT_AFTER or self.var <= 0:
-            return 1.0
+            return self.rho_prior
         return float(np.clip(self.cov / self.var, 0.0, 1.0))
 
     def expected_tokens(self, survival_CnBL, active_C) -> np.ndarray:
-        """Expected tokens of the next step per candidate [nB]: the active slots' mean E[tau] from this step's
-        survival, shrunk toward its running mean by rho (the choice is one step stale: where difficulty does not
-        persist from step to step, this step's estimate says little about the next one's)."""
+        """Expected tokens of the next step per candidate [nB]: the active slots' mean E[tau] from this
+        survival, shrunk toward its running mean by rho (the choice is stale: where difficulty does not persist
+        from step to step, the last estimate says little about the next steps)."""
         active = np.asarray(active_C, bool)
         if not active.any():
             return np.zeros(len(self.candidates))
@@ -116,10 +117,11 @@ class Policy:
         if self.mean is None:
             self.mean, self.prev = x, x
             return
+        w = max(MEAN_EMA, 1 / self.seen)  # a plain mean of the first estimates, then an exponential one
         d, d_prev = x[-1] - self.mean[-1], self.prev[-1] - self.mean[-1]
-        self.cov = (1 - MEAN_EMA) * self.cov + MEAN_EMA * d * d_prev
-        self.var = (1 - MEAN_EMA) * self.var + MEAN_EMA * d * d
-        self.mean = (1 - MEAN_EMA) * self.mean + MEAN_EMA * x
+        self.cov = (1 - w) * self.cov + w * d * d_prev
+        self.var = (1 - w) * self.var + w * d * d
+        self.mean = (1 - w) * self.mean + w * x
         self.prev = x
 
     def choose(self, survival_CnBL, active_C) -> int:

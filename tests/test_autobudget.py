@@ -210,7 +210,7 @@ def test_with_estimate_every_k_only_plain_steps_are_timed_and_only_estimates_are
     """An estimating step's extra time is estimate_ms, not the candidate's step time; a step with no estimate
     adds no calibration pair and the choice keeps using the last estimate."""
     rng = np.random.default_rng(4)
-    pol = autobudget.Policy(CANDS, estimate_every=4, explore_every=0, refit_every=0)
+    pol = autobudget.Policy(CANDS, estimate_every=4, explore_every=0, refit_every=0, rho_prior=1.0)
     for i, t in enumerate((0.010, 0.012, 0.030)):
         pol.observe(i, t, None, np.ones(1, int), np.ones(1, bool))  # a switch step
         for _ in range(2):
@@ -225,3 +225,17 @@ def test_with_estimate_every_k_only_plain_steps_are_timed_and_only_estimates_are
     assert pol.choose(s, np.ones(1)) == 2
     pol.observe(2, 0.030, None, np.ones(1, int), np.ones(1, bool))
     assert pol.choose(None, np.ones(1)) == 2 and len(pol.predicted) == pairs + 4 * 7
+
+
+def test_before_rho_is_known_the_estimates_mean_predicts_the_next_steps():
+    """With rho_prior 0 (the default), until PREDICT_AFTER estimates the prediction is their plain mean, not the
+    last one (a stale estimate under difficulty drawn afresh each step says nothing; the mean is the best guess)."""
+    rng = np.random.default_rng(5)
+    pol = autobudget.Policy(CANDS, explore_every=0, refit_every=0)
+    seen = [_survival(rng, C=1) for _ in range(3)]
+    for s in seen:
+        pol.observe(0, 0.01, s, np.ones(1, int), np.ones(1, bool))
+    assert pol.rho == 0.0
+    want = np.mean([1 + s[0].sum(-1) for s in seen], axis=0)
+    np.testing.assert_allclose(pol.expected_tokens(seen[-1], np.ones(1)), want)
+    np.testing.assert_allclose(pol.expected_tokens(_survival(rng, C=1), np.ones(1)), want)  # whatever the last
