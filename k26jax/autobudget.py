@@ -57,7 +57,7 @@ class Policy:
     """The host side of budget="auto" for one batch and cache size: step times, calibration, the choice."""
 
     candidates: tuple
-    estimate_every: int = 1  # the AutoDecoder's: steps reporting no survival are the ones timed
+    estimate_every: int = 1  # the AutoDecoder's; above 1 only steps reporting no survival are timed
     explore_every: int = 256
     horizon: int = 64
     refit_every: int = 16  # estimates between refits of the calibration
@@ -76,7 +76,9 @@ class Policy:
         self.switch_s = 0.0  # EMA of a switch step's extra seconds over the candidate's own time
         self.estimate_s = None  # EMA of an estimating step's extra seconds (estimate_every > 1; None: not yet)
         self.survival = None  # the last estimate's survival [C, nB, L]
+        self.known = None  # [C] bool: the slots whose row of it is their request's (active then, not reused since)
         self.last = None  # the previous step's candidate
+        self.last_estimated = False  # whether the previous step ran the candidate's estimating executable
         self.trying = None  # the candidate under trial, until it has TRIAL more timed steps
         self.trial_until = 0
         self.mean, self.prev, self.cov, self.var, self.seen = None, None, 0.0, 0.0, 0  # `_track`
@@ -90,39 +92,51 @@ class Policy:
 
     @property
     def rho(self) -> float:
-        """How much this step's E[tau] says about the next step's, in [0, 1]: the lag-1 autocorrelation of the
-        largest candidate's per-slot E[tau] (rho_prior until PREDICT_AFTER estimates have been seen)."""
+        """How much an estimate's E[tau] says about the steps up to the next estimate, in [0, 1]: the
+        autocorrelation of consecutive estimates of the largest candidate's per-slot E[tau] (rho_prior until
+        PREDICT_AFTER estimates have been seen)."""
         if self.seen < PREDICT_AFTER or self.var <= 0:
             return self.rho_prior
         return float(np.clip(self.cov / self.var, 0.0, 1.0))
 
-    def expected_tokens(self, survival_CnBL, active_C) -> np.ndarray:
+    def expected_tokens(self, survival_CnBL, active_C, known_C=None) -> np.ndarray:
         """Expected tokens of the next step per candidate [nB]: the active slots' mean E[tau] from this
         survival, shrunk toward its running mean by rho (the choice is stale: where difficulty does not persist
-        from step to step, the last estimate says little about the next steps)."""
+        from step to step, the last estimate says little about the next steps). known_C: the slots the survival
+        speaks for (the others count at the running mean)."""
         active = np.asarray(active_C, bool)
         if not active.any():
             return np.zeros(len(self.candidates))
-        x = self.taus(survival_CnBL)[active].mean(0)
+        x = self.taus(survival_CnBL)
+        if known_C is not None and self.mean is not None:
+            x = np.where(np.asarray(known_C, bool)[:, None], x, self.mean[None])
+        x = x[active].mean(0)
         pred = x if self.mean is None else self.mean + self.rho * (x - self.mean)
         return active.sum() * pred
 
-    def _track(self, survival_CnBL, valid_C) -> None:
-        """Running mean, variance and lag-1 covariance of the per-slot E[tau] series (valid slots)."""
+    def _track(self, survival_CnBL, valid_C) -> bool:
+        """Running mean, variance and covariance of consecutive estimates of the per-slot E[tau] (valid slots);
+        whether this one counted."""
         valid = np.asarray(valid_C, bool)
         if not valid.any():
-            return
+            return False
         x = self.taus(survival_CnBL)[valid].mean(0)
         self.seen += 1
         if self.mean is None:
             self.mean, self.prev = x, x
-            return
+            return True
         w = max(MEAN_EMA, 1 / self.seen)  # a plain mean of the first estimates, then an exponential one
         d, d_prev = x[-1] - self.mean[-1], self.prev[-1] - self.mean[-1]
         self.cov = (1 - w) * self.cov + w * d * d_prev
         self.var = (1 - w) * self.var + w * d * d
         self.mean = (1 - w) * self.mean + w * x
         self.prev = x
+        return True
+
+    def forget(self, slot: int) -> None:
+        """A new request took `slot`: the last estimate's row there was another's (it counts at the mean)."""
+        if self.known is not None:
+            self.known[slot] = False
 
     def choose(self, survival_CnBL, active_C) -> int:
         """The next step's candidate index: a candidate under trial until it is timed; an untimed one; every
@@ -130,10 +144,10 @@ class Policy:
         `horizon` steps repays the measured switch cost. survival_CnBL: this step's estimate, or None (the last)."""
         active = np.asarray(active_C, bool)
         if survival_CnBL is not None:
-            self.survival = survival_CnBL
+            self.survival, self.known = survival_CnBL, active.copy()
         if self.survival is None:
-            self.survival = np.zeros((len(active), len(self.candidates), 1))
-        self.chosen_tau = self.expected_tokens(self.survival, active_C) / max(active.sum(), 1)
+            self.survival, self.known = np.zeros((len(active), len(self.candidates), 1)), np.zeros(len(active), bool)
+        self.chosen_tau = self.expected_tokens(self.survival, active_C, self.known) / max(active.sum(), 1)
         if self.trying is not None and self.timed[self.trying] < self.trial_until:
             return self.trying
         self.trying = None
@@ -155,31 +169,32 @@ class Policy:
         """A step of candidate `choice` took `seconds`; survival_CnBL: the estimate it reported (None for a step
         that estimated nothing); accept_C: its accept lengths, valid_C: the slots where that length is the tree's
         (active and not cut by EOS or a token limit)."""
-        plain = survival_CnBL is None or self.estimate_every == 1
-        if choice == self.last and plain:
+        estimated = survival_CnBL is not None and self.estimate_every > 1  # its candidate's other executable
+        same = choice == self.last
+        if same and not estimated and not self.last_estimated:  # the same executable as the step before
             first = self.timed[choice] == 0  # its first timed step may carry an executable's one-off costs
             self.seconds[choice] = _ema(None if first or self.timed[choice] == 1 else self.seconds[choice], seconds)
             self.timed[choice] += 1
             self.timed_at[choice] = self.steps
-        elif choice == self.last and self.timed[choice] >= 2:
+        elif same and estimated and self.timed[choice] >= 2:
             self.estimate_s = max(0.0, _ema(self.estimate_s, seconds - self.seconds[choice]))
-        elif self.timed[choice] >= 2 and plain:
+        elif not same and not estimated and self.timed[choice] >= 2:
             self.switch_s = max(0.0, _ema(self.switch_s, seconds - self.seconds[choice]))
         self.counts[choice] += 1
-        self.last = choice
+        self.last, self.last_estimated = choice, estimated
         self.steps += 1
         valid = np.asarray(valid_C, bool)
         if valid.any() and self.chosen_tau is not None:
             self.tau_sums[choice] += (1, self.chosen_tau[choice], np.asarray(accept_C)[valid].mean())
         if survival_CnBL is None:
             return
-        self._track(survival_CnBL, valid_C)
+        counted = self._track(survival_CnBL, valid_C)
         if valid.any():
             s, y = budget.calibration_pairs(np.asarray(survival_CnBL)[valid, choice], np.asarray(accept_C)[valid])
             self.predicted.extend(s.tolist())
             self.observed.extend(y.tolist())
             del self.predicted[:-MAX_PAIRS], self.observed[:-MAX_PAIRS]
-        if self.refit_every and self.seen % self.refit_every == 0 and self.predicted:
+        if counted and self.refit_every and self.seen % self.refit_every == 0:
             self.gamma = budget.calibrate(self.predicted, self.observed, kind="power").gamma
 
     def stats(self) -> dict:
@@ -271,6 +286,11 @@ class AutoDecoder:
             raise RuntimeError("AutoDecoder.step: call prepare(params, dparams, state) first")
         self._dispatched = (self.choice, self.fresh, time.perf_counter())
         return self.executables[self.choice][0 if self.fresh else 1](params, dparams, state)
+
+    def forget(self, slot: int) -> None:
+        """A request was inserted into `slot` (the server): the last estimate does not speak for it."""
+        if self.policy is not None:
+            self.policy.forget(slot)
 
     def observe(self, host: dict, was_done_C) -> int:
         """host: this step's FIELDS on the host; was_done_C: the slots already done before it. Returns the next

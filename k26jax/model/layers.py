@@ -37,7 +37,8 @@ def pad_rows(x, rows_per_item: int = 1):
 
 def mm(subscripts: str, x, w, out_dtype=None, precision=None):
     """einsum with fp32 accumulation, returned in out_dtype (x's dtype by default). x and the result are
-    [B, T, ...] (leading rows padded on the GPU, see GPU_MIN_ROWS). w is cast to x's dtype.
+    [B, T, ...] (leading rows padded on the GPU, see GPU_MIN_ROWS; at most GEMV_MAX_ROWS rows there run as
+    `multiply_reduce`). w is cast to x's dtype.
 
     XLA:CPU has no bf16 x bf16 -> f32 batched-dot thunk, so on the CPU the operands are upcast first; that is
     exact, since a product of two bf16 values is representable in f32.

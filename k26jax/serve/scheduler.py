@@ -7,7 +7,8 @@ One thread owns the device. Each turn of its loop, on the host:
   3. dispatches one step (`Decoder.step`, state donated) for all slots;
   4. delivers the previous step's tokens while this one runs on the device (a one-step pipeline), then copies
      this step's emission arrays (a few KB) to the host. With --budget auto (`autobudget.AutoDecoder`) they
-     carry the candidates' tree survival too, and the step's time and outcome pick the next step's budget.
+     carry the candidates' tree survival too (new on its estimating steps, one in `ESTIMATE_EVERY`), and the
+     step's time and outcome pick the next step's budget.
 A slot whose request finished on the device (EOS, its token limit) is freed when its last tokens are delivered.
 A slot the host freed may go on decoding on the device until it is reused: its tokens are dropped, and its
 sampling values and limit are its own, so no other slot sees them.
@@ -277,6 +278,8 @@ class Scheduler:
         args = insert_args(slot, ids, n, req.max_new, req.temperature, req.top_p, req.seed)
         started = time.perf_counter()
         self.state = self.dec.insert(self.params, self.dparams, self.state, *args)
+        if self.auto:
+            self.dec.forget(slot)
         host = self._fetch()
         self.metrics.inserted(T, time.perf_counter() - started, n)
         self.metrics.slots(self._in_use())
