@@ -1,7 +1,8 @@
 """budget="auto" against every fixed choice, through host-driven steps (the loop generate and the server run).
 
-bench_e2e's model (K2.6 width at depth --layers, random weights made on the device; tiny shapes with
---cpu-mesh8) and its calibrated synthetic acceptance, so each candidate earns the accept length its tree earns.
+bench_e2e's model (K2.6 width at depth --layers, random weights made on the device, the router's bias balanced
+as a trained K2.6's is; tiny shapes with --cpu-mesh8) and its calibrated synthetic acceptance, so each candidate
+earns the accept length its tree earns.
 Per (C, context) cell, each timed as --steps host-driven steps (dispatch, then the step's tokens and survival to the
 host), median over --repeats, caches reset to the context before each repeat:
   * fixed: AR, chain and DDTree at each budget, plain steps (what a fixed --budget runs);
@@ -202,6 +203,9 @@ def main(argv=None) -> int:
     record["rows"] = []
     candidates = tuple(c for c in budget.CANDIDATES if autobudget.label(c) in args.candidates)
     params, dparams = jax.block_until_ready(s.init_fn()())
+    params, router = s.balance(params)  # a trained K2.6's balanced load, not a random router's few experts
+    if router:
+        record["rows"].append(router)
     v = bench_e2e.Variant(args.layers, "ddtree", 32, 1, 0)
     template = s.step_config(v)
     for C in args.concurrency:

@@ -95,14 +95,15 @@ class IdTokenizer:
 
 
 def synthetic_engine(args, sargs):
-    """(Decoder, params, drafter params): bench_e2e's K2.6-width target (--layers deep) and DFlash drafter with
-    random weights made on the device, and its calibrated synthetic acceptance (the chain's E[tau] = --tau at b = 8,
+    """(Decoder, params, drafter params): bench_e2e's K2.6-width target (--layers deep, its router's bias balanced
+    as a trained K2.6's is) and DFlash drafter with random weights made on the device, and its calibrated
+    synthetic acceptance (the chain's E[tau] = --tau at b = 8,
     each budget earning its tree's); --budget auto gives an AutoDecoder over the same pair."""
     import bench_e2e
     import jax
     import jax.numpy as jnp
 
-    from k26jax import autobudget, engine, ops, synthetic
+    from k26jax import autobudget, engine, ops, routing, synthetic
     from k26jax.model import drafter as drafter_lib
     from k26jax.model import target
     from k26jax.serve import server
@@ -113,6 +114,9 @@ def synthetic_engine(args, sargs):
     dcfg = kimi_drafter_config(cfg, tiny)
     dtype = jnp.float32 if tiny else jnp.bfloat16
     params, dparams = jax.jit(lambda: (target.init_params(cfg, 0, dtype), drafter_lib.init_params(dcfg, 1, dtype)))()
+    probe_impls = dataclasses.replace(ops.Impls.auto(), probe=routing.ExpertProbe(cfg.n_routed_experts))
+    params, router = bench_e2e.balance_router(params, cfg, probe_impls, args.seed)  # as a trained K2.6's
+    print(f"[serve] router balanced: {json.dumps(router)}", file=sys.stderr, flush=True)
     d = dcfg if sargs.method != "ar" else None
     profile = synthetic.fit_profile(args.tau, 8, vocab=cfg.vocab_size)
     drafter, acceptor = synthetic.synthetic_pair(profile, 0, base=engine.DFlashDraft())

@@ -11,7 +11,8 @@ def test_bench_auto_races_auto_against_every_fixed_choice(import_script, tmp_pat
     out = tmp_path / "auto.json"
     names = ["chain", "ddtree16"]  # a subset keeps the test short; the default races all of budget.CANDIDATES
     assert bench.main(["--cpu-mesh8", "--candidates", *names, "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    router, *rows = json.loads(out.read_text())["rows"]
+    assert router["kind"] == "router" and router["imbalance_balanced"] < router["imbalance_random"]
     assert [r["variant"] for r in rows] == ["ar", *[v for n in names for v in (n, f"{n}+estimate")], "auto"]
     for r in rows:
         assert r["step_ms"] > 0 and r["tok_s"] > 0 and r["C"] == 2 and r["context"] == 64
