@@ -603,10 +603,7 @@ class Decoder:
         )
 
     def empty(self, *, batch: int, max_len: int, dtype, ctx_dtype=None) -> DecodeState:
-        """All slots free; committed to its devices, as every later state is whenever a parameter is (an insert
-        traced on an uncommitted state would compile again for the committed states that steps leave)."""
-        state = self._programs["empty"](batch=batch, max_len=max_len, dtype=dtype, ctx_dtype=ctx_dtype)
-        return jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
+        return self._programs["empty"](batch=batch, max_len=max_len, dtype=dtype, ctx_dtype=ctx_dtype)
 
     def insert(
         self, params, dparams, state: DecodeState, slot, ids_1T, length, seed, temperature, top_p, max_new

@@ -263,28 +263,6 @@ def test_inserted_slots_decode_as_a_batch_with_their_own_sampling_and_limits(mod
             assert got != tokens[i]
 
 
-def test_an_insert_compiles_once_whether_the_parameters_are_committed_or_not(model):
-    """The server inserts into an empty state and into states that steps left. A step's outputs are committed
-    to the device whenever a parameter is (a balanced router bias, a sharded load), so an empty state that were
-    not would make the first insert after a step compile again mid-serving."""
-    sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=NEW, block_size=L + 1)
-    ids = np.zeros((1, 32), np.int32)
-    ids[0, :5] = PROMPTS[0][:5]
-    args = (np.int32(5), np.uint32(7), np.float32(0.0), np.float32(1.0), np.int32(NEW))
-    dec = engine.Decoder(model.cfg, model.drafter_cfg, sc, IMPLS)
-    insert = dec._programs["insert"]
-    for commit in (False, True):
-        params, dparams = model.params, model.drafter_params
-        if commit:
-            params, dparams = jax.device_put((params, dparams), jax.devices()[0])
-        before = insert._cache_size()
-        state = dec.empty(batch=2, max_len=128, dtype=jnp.float32)
-        for slot in (0, 1):
-            state = dec.insert(params, dparams, state, np.int32(slot), ids, *args)
-            state = dec.step(params, dparams, state)
-        assert insert._cache_size() <= before + 1, commit
-
-
 def test_streamed_tokens_equal_the_result(model, ar):
     """on_tokens sees each step's appended tokens once, in order: together they are the result, multi-token
     accepts and the max_new_tokens cut included."""
