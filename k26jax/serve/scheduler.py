@@ -168,18 +168,28 @@ class Scheduler:
         return self.thread.is_alive()
 
     def warm_up(self):
-        """Compile insert at every prompt bucket and the step (run once each on free slots) before serving."""
-        for T in buckets(self.max_len):
-            ids = np.zeros((1, T), np.int32)
-            self.state = self.dec.insert(self.params, self.dparams, self.state, *insert_args(0, ids, 1, 1))
+        """Compile insert at every prompt bucket and the step (run once each on free slots) before serving.
+        Each bucket's insert runs on a fresh state and on one an insert or a step left: where a parameter is
+        committed to a device (a balanced router bias, a sharded load) those are committed and a fresh state is
+        not, and jit compiles an insert for each."""
+        self._insert_every_bucket(fresh=True)
         if self.auto:  # every candidate's step, compiled for this state and run once
             self.dec.prepare(self.params, self.dparams, self.state, progress=log.info)
             self.state = self.dec.warm(self.params, self.dparams, self.state)
         else:
             self.state = self.dec.step(self.params, self.dparams, self.state)
+        self._insert_every_bucket(fresh=False)
         jax.block_until_ready(self.state)
         self.state = None  # free the warm-up state before the fresh one is made (two caches may not fit)
         self.state = self._empty()
+
+    def _insert_every_bucket(self, fresh: bool):
+        for T in buckets(self.max_len):
+            if fresh:
+                self.state = None  # freed before the next is made
+                self.state = self._empty()
+            ids = np.zeros((1, T), np.int32)
+            self.state = self.dec.insert(self.params, self.dparams, self.state, *insert_args(0, ids, 1, 1))
 
     # ---- the engine thread -------------------------------------------------------------------------------------
     def _run(self):
