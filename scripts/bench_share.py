@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k26jax import engine, ops, routing, synthetic
+from k26jax.config import preset
 from k26jax.model import drafter as drafter_lib
 from k26jax.model import layers as layers_mod
 from k26jax.model import params as param_table
@@ -263,7 +264,11 @@ def parse_args(argv=None):
     ap.add_argument("--profile", default=None, help="write jax.profiler traces here and break each step down")
     ap.add_argument("--gemv-rows", type=int, default=None, help="layers.GEMV_MAX_ROWS for this run (A/B)")
     harness.add_record_args(ap, "bench/results/share.json")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    dense = preset(args.preset).first_k_dense_replace
+    if min(args.layers) <= dense:
+        ap.error(f"--layers {min(args.layers)}: a depth must pass the {dense} dense layer(s) to hold a MoE layer")
+    return args
 
 
 def main(argv=None) -> int:

@@ -82,3 +82,9 @@ def test_share_bench_measures_ar_and_ddtree_with_floors_and_projects_61_layers(i
         (m, ctx, 61, (2, 3)) for m in ("ar", "ddtree") for ctx in (128, 256)
     }
     assert [r for r in rows if r["kind"] == "router"][0]["imbalance_balanced"] >= 1.0
+
+
+def test_share_bench_refuses_a_depth_of_dense_layers_only(import_script, capsys):
+    with pytest.raises(SystemExit):
+        import_script("bench_share").parse_args(["--layers", "20", "1"])
+    assert "--layers 1" in capsys.readouterr().err
