@@ -19,7 +19,7 @@ def _prefill(model, impls, ids, bias=None):
         mlp = dict(params["moe"]["mlp"], router_bias=jnp.asarray(bias, params["moe"]["mlp"]["router_bias"].dtype))
         params = {**params, "moe": {**params["moe"], "mlp": mlp}}
     lengths = np.full((ids.shape[0],), ids.shape[1], np.int32)
-    return jax.block_until_ready(api._prefill(params, ids, lengths, model.cfg, impls, ()))
+    return jax.block_until_ready(api._prefill_jit(params, ids, lengths, model.cfg, impls, ()))
 
 
 def test_the_probe_sees_each_moe_layers_top_k_and_nothing_without_it():
