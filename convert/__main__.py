@@ -8,6 +8,7 @@ resume and atomicity design.
 """
 
 import argparse
+import os
 import sys
 
 from convert.converter import Options, convert
@@ -64,6 +65,11 @@ def main(argv=None) -> int:
     except (CheckpointError, ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        partial = opts.out + ".partial"
+        hint = f": {partial} keeps the finished steps; add --resume to continue" if os.path.isdir(partial) else ""
+        print(f"\ninterrupted{hint}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -54,7 +54,7 @@ from k26jax.checkpoint import (
     flatten_tree,
 )
 from k26jax.config import ConfigError, DrafterConfig, ModelConfig
-from k26jax.hf_files import INDEX_FILE, CheckpointError, HFCheckpoint
+from k26jax.hf_files import INDEX_FILE, CheckpointError, HFCheckpoint, check_tensor_files
 from k26jax.model import params as param_table
 from k26jax.model.drafter import abstract_params, drafter_partition_specs
 
@@ -218,6 +218,7 @@ def _target_job(opts: Options, mesh: AbstractMesh) -> tuple[_Job, ModelConfig, H
 def _drafter_job(opts: Options, target: ModelConfig, mesh: AbstractMesh) -> _Job:
     dcfg = DrafterConfig.from_hf_dir(opts.drafter_dir)
     dcfg.check_target(target)
+    check_tensor_files(opts.drafter_dir)
     abstract = abstract_params(dcfg, jax.numpy.float32 if opts.dtype == "float32" else jax.numpy.bfloat16)
     shapes = jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
     specs = drafter_partition_specs(dcfg, mesh.shape[sharding.MODEL])

@@ -24,12 +24,15 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
+import sys
+import tempfile
 from collections import Counter
 
 import numpy as np
 
 from k26jax import hf, hf_files
-from k26jax.config import DrafterConfig, ModelConfig, preset_text_config
+from k26jax.config import ConfigError, DrafterConfig, ModelConfig, preset_text_config
 from k26jax.hf import NUM_SPECIAL, special_tokens
 from k26jax.model import drafter
 from k26jax.model.params import GROUP
@@ -187,11 +190,30 @@ def make_tiny(
 ) -> ModelConfig:
     """Writes the checkpoint (see the module docstring) into the new or empty directory `out`.
 
-    drafter: None writes one for the tiny preset only. overrides: text-config fields to change (tests)."""
+    drafter: None writes one for the tiny preset only. overrides: text-config fields to change (tests). The files
+    are written into a hidden sibling directory that becomes `out` only when complete (removed on failure)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FileExistsError(f"--out {out}: exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out):
         raise FileExistsError(f"--out {out}: directory exists and is not empty")
-    os.makedirs(out, exist_ok=True)
     text = tiny_text_config(preset, experts, overrides)
+    ModelConfig.from_hf_dict(hf_config(text), source=f"--preset {preset}")  # fails before anything is written
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(work, 0o777 & ~umask)  # mkdtemp's is 0o700
+    try:
+        cfg = _write(work, text, preset, seed, drafter, shard_bytes)
+        os.rename(work, out)  # onto a missing or empty directory
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # this call's own directory
+        raise
+    return cfg
+
+
+def _write(out: str, text: dict, preset: str, seed: int, drafter: bool | None, shard_bytes: int | None):
     config = hf_config(text)
     hf_files.dump_json(os.path.join(out, "config.json"), config)
     V = text["vocab_size"]
@@ -236,7 +258,7 @@ def write_drafter(out: str, target_text: dict, seed: int) -> None:
     hf.write_drafter(out, dcfg, drafter.init_params(dcfg, seed), dtype="bfloat16")
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m convert.make_tiny", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="new (or empty) output directory")
     parser.add_argument("--preset", default="tiny", help="tiny | k26-depthN (full width, N layers)")
@@ -244,11 +266,19 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-drafter", action="store_true", help="skip DIR/drafter/")
     args = parser.parse_args(argv)
-    cfg = make_tiny(
-        args.out, args.preset, experts=args.experts, seed=args.seed, drafter=False if args.no_drafter else None
-    )
+    try:
+        cfg = make_tiny(
+            args.out, args.preset, experts=args.experts, seed=args.seed, drafter=False if args.no_drafter else None
+        )
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: nothing was written", file=sys.stderr)
+        return 130
     print(f"wrote {args.out}: {args.preset}, {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

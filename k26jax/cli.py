@@ -82,10 +82,14 @@ def _generate(args) -> int:
     print(f"[k26jax] method={args.method}{budget}, {len(prompts)} prompt(s)", file=sys.stderr)
     single = len(prompts) == 1
     streams = [StreamDecoder(tok) for _ in prompts]
+    texts = [[] for _ in prompts]  # several prompts: each completion is printed whole at the end
 
     def on_tokens(i, new_ids):
         text = streams[i].feed(new_ids)
-        print(text if single else f"[{i}] {text}", end="" if single else "\n", flush=True)
+        if single:
+            print(text, end="", flush=True)
+        else:
+            texts[i].append(text)
 
     profiling = jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext()
     try:
@@ -109,10 +113,11 @@ def _generate(args) -> int:
             f"{max(map(len, prompts))} + {args.max_new_tokens} tokens each (method {args.method}, budget "
             f"{args.budget}): lower --max-new-tokens, the number of --prompt, or --budget"
         ) from None
-    for i, s in enumerate(streams):
-        rest = s.flush()
-        if rest:
-            print(rest if single else f"[{i}] {rest}", end="" if single else "\n")
+    if single:
+        print(streams[0].flush(), end="")
+    for i, (prompt, parts) in enumerate(zip(args.prompt, texts)):
+        if not single:
+            print(f"{'' if i == 0 else chr(10)}[{i}] {prompt!r} ->\n{''.join(parts)}{streams[i].flush()}")
     s = result.stats
     if s["steps"]:
         speed = (
@@ -122,7 +127,8 @@ def _generate(args) -> int:
     else:
         speed = "no decode step ran (the prefill gives the first token)"
     print(
-        f"\n[k26jax] {s['new_tokens']} tokens in {s['steps']} steps, {speed}, prefill {s['prefill_s']:.2f}s",
+        f"\n[k26jax] {s['new_tokens']} tokens in {s['steps']} step{'s' * (s['steps'] != 1)}, {speed}, "
+        f"prefill {s['prefill_s']:.2f}s",
         file=sys.stderr,
     )
     if "auto" in s:
@@ -145,37 +151,66 @@ def _serve(args) -> int:
     return server.run(args)
 
 
-BUDGET_HELP = "DDTree nodes verified per step, or 'auto': chosen each step for the most tokens a second"
+DEFAULT_BUDGET = 32
+BUDGET_HELP = f"DDTree nodes verified per step (default {DEFAULT_BUDGET}), or 'auto': chosen each step"
 
 
 def budget_arg(text: str) -> int | str:
-    """--budget: a positive integer or "auto"."""
+    """--budget: an integer in 1..MAX_BUDGET (the tree kernels' limit) or "auto"."""
+    from pallas_kernels.tree_build import MAX_BUDGET
+
     if text == "auto":
         return text
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: use a positive integer or 'auto'")
+    if not 1 <= value <= MAX_BUDGET:
+        raise argparse.ArgumentTypeError(f"{text!r}: use an integer in 1..{MAX_BUDGET} or 'auto'")
     return value
+
+
+def bounded(kind, low=None, high=None, above=None):
+    """An argparse type: a finite kind(text) >= low (or > above) and <= high; the error names the bound."""
+    parts = (
+        [f">= {low}"] * (low is not None) + [f"> {above}"] * (above is not None) + [f"<= {high}"] * (high is not None)
+    )
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: not {'an integer' if kind is int else 'a number'}") from None
+        if value != value or abs(value) == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r}: not a finite number")
+        if (
+            (low is not None and value < low)
+            or (above is not None and value <= above)
+            or (high is not None and value > high)
+        ):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {' and '.join(parts)}")
+        return value
+
+    return parse
 
 
 def _placement_args(p):
     from k26jax.sharding import EXPERT_MODES
 
-    p.add_argument("--devices", type=int, default=0, help="devices to shard over (default 0: all of the job's)")
+    p.add_argument(
+        "--devices", type=bounded(int, 0), default=0, help="devices to shard over (default 0: all of the job's)"
+    )
     p.add_argument(
         "--expert-mode",
         default="auto",
         choices=("auto", *EXPERT_MODES),
-        help="routed experts: ep (split over a host's devices), tp, ep_global (over every process's); auto: "
-        "ep_global with several processes, else ep",
+        help="routed experts: ep (split over a host's devices) or tp; auto: ep, or split over every process's "
+        "devices when several processes share the job",
     )
 
 
 def parser() -> argparse.ArgumentParser:
-    from k26jax.engine import METHODS
+    from k26jax.engine import MAX_TOP_LOGPROBS, METHODS
     from k26jax.generation import DEFAULT_CKPT
 
     ap = argparse.ArgumentParser(prog="k26jax", description="Kimi K2.6 in JAX with DDTree speculative decoding")
@@ -187,10 +222,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
     g.add_argument("--method", default="ddtree", choices=METHODS)
-    g.add_argument("--budget", type=budget_arg, default=32, help=BUDGET_HELP)
-    g.add_argument("--max-new-tokens", type=int, default=48)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--budget", type=budget_arg, default=None, help=BUDGET_HELP)
+    g.add_argument("--max-new-tokens", type=bounded(int, 1), default=48)
+    g.add_argument("--temperature", type=bounded(float, 0.0), default=0.0)
+    g.add_argument("--top-p", type=bounded(float, above=0.0, high=1.0), default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     _placement_args(g)
@@ -204,20 +239,27 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--ckpt", default=DEFAULT_CKPT, help="HF or converted checkpoint dir (default: the embedded one)")
     s.add_argument("--drafter", default=None, help="DFlash drafter dir (default: CKPT/drafter)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="0: any free port")
     s.add_argument("--method", default="ddtree", choices=METHODS)
-    s.add_argument("--budget", type=budget_arg, default=32, help=BUDGET_HELP)
-    s.add_argument("--max-batch", type=int, default=8, help="slots decoded together")
-    s.add_argument("--max-len", type=int, default=4096, help="cache rows per slot: prompt + completion + draft")
-    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before a 503")
+    s.add_argument("--budget", type=budget_arg, default=None, help=BUDGET_HELP)
+    s.add_argument("--max-batch", type=bounded(int, 1), default=8, help="slots decoded together")
     s.add_argument(
-        "--max-logprobs", type=int, default=20, help="the most top_logprobs a request may ask (<= 20; 0: none)"
+        "--max-len", type=bounded(int, 1), default=4096, help="cache rows per slot: prompt + completion + draft"
+    )
+    s.add_argument("--max-queue", type=bounded(int, 0), default=256, help="requests waiting for a slot before a 503")
+    s.add_argument(
+        "--max-logprobs",
+        type=bounded(int, 0, MAX_TOP_LOGPROBS),
+        default=20,
+        help="the most top_logprobs a request may ask (<= 20; 0: none)",
     )
     s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $K26JAX_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: CKPT's name)")
     s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     _placement_args(s)
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    s.add_argument(
+        "--drain-timeout", type=bounded(float, 0.0), default=30.0, help="seconds to finish requests on SIGTERM"
+    )
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--no-compile-cache", action="store_true", help="do not keep compiled programs on disk")
     s.add_argument("--debug", dest="debug_here", action="store_true", help="show tracebacks")
@@ -225,8 +267,24 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked: --budget belongs to --method ddtree (default 32), --profile is a directory."""
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.budget is None:
+        args.budget = DEFAULT_BUDGET
+    elif args.method != "ddtree":
+        ap.error(f"--budget {args.budget}: only --method ddtree builds a tree of a budget (not {args.method})")
+    if getattr(args, "profile", None):
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--profile {args.profile}: cannot make this trace directory ({e.strerror})")
+    return args
+
+
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    args = parse_args(argv)
     args.debug = args.debug or getattr(args, "debug_here", False)
     from k26jax.distributed import EXIT_PEER_LOST, PeerLostError  # after --help: it imports jax
 

@@ -171,6 +171,13 @@ class ModelConfig:
         def bad(field, msg):
             raise ConfigError(f"{source}: {field}: {msg}")
 
+        for name in POSITIVE_SIZES:
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("q_lora_rank", "n_routed_experts", "n_shared_experts", "first_k_dense_replace"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                bad(name, f"must be >= 0, got {value}")
         if self.scoring_func != "sigmoid":
             bad("scoring_func", f"{self.scoring_func!r} is not supported (only 'sigmoid', as in K2/K2.6)")
         if self.topk_method != "noaux_tc":
@@ -202,6 +209,8 @@ class ModelConfig:
 def read_config_json(path, what: str) -> tuple[str, dict[str, Any]]:
     """(path of DIR/config.json, its parsed contents); a missing or malformed file raises ConfigError."""
     config_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{path}: " + ("not a directory" if os.path.exists(path) else f"no such {what} directory"))
     if not os.path.isfile(config_path):
         raise ConfigError(f"{config_path}: no config.json in the {what} directory")
     try:
@@ -428,6 +437,21 @@ def _token_ids(text: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
         key: text[key] if key in text else raw.get(key, HF_TEXT_DEFAULTS[key])
         for key in ("bos_token_id", "eos_token_id", "pad_token_id")
     }
+
+
+POSITIVE_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "max_position_embeddings",
+)
 
 
 class _Fields:

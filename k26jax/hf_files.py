@@ -120,14 +120,7 @@ class HFCheckpoint:
             raise CheckpointError(
                 f"{path}: shard is missing; {INDEX_FILE} maps {len(names)} tensor(s) to it, e.g. {names[0]!r}"
             )
-        header, data_start = _read_header(path)
-        data_end = max((max(v["data_offsets"]) for v in header.values()), default=0)
-        size = os.path.getsize(path)
-        if size < data_start + data_end:
-            raise CheckpointError(
-                f"{path}: shard is truncated: its header needs {data_start + data_end} bytes, the file has {size}"
-            )
-        return header, data_start
+        return _read_header(path)
 
     # ---- reading ------------------------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -182,7 +175,8 @@ class HFCheckpoint:
 
 
 def _read_header(path: str) -> tuple[dict[str, Any], int]:
-    """(tensor name -> {dtype, shape, data_offsets}, byte offset of the data) from a safetensors file."""
+    """(tensor name -> {dtype, shape, data_offsets}, byte offset of the data) from a safetensors file, which must
+    hold every byte its header names."""
     with open(path, "rb") as f:
         raw_len = f.read(8)
         if len(raw_len) < 8:
@@ -196,6 +190,15 @@ def _read_header(path: str) -> tuple[dict[str, Any], int]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {e})") from e
     header.pop("__metadata__", None)
+    try:
+        data_end = max((max(v["data_offsets"]) for v in header.values()), default=0)
+    except (TypeError, KeyError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file (a header entry has no data_offsets: {e})") from e
+    size = os.path.getsize(path)
+    if size < 8 + header_len + data_end:
+        raise CheckpointError(
+            f"{path}: shard is truncated: its header needs {8 + header_len + data_end} bytes, the file has {size}"
+        )
     return header, 8 + header_len
 
 
@@ -214,6 +217,7 @@ class TensorFiles:
         if file not in self.opened:
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"{file}: listed for tensor {name!r} but missing")
+            _read_header(file)  # a truncated or foreign file gets its own error, not safetensors'
             self.opened[file] = self.stack.enter_context(safe_open(file, framework="np"))
         w = self.opened[file].get_tensor(name)
         if w.shape != self.expected[name]:
@@ -222,6 +226,15 @@ class TensorFiles:
 
     def release(self) -> None:
         pass
+
+
+def check_tensor_files(path: str) -> None:
+    """Every safetensors file of a (drafter) directory is present and holds the bytes its header names: checked
+    before a conversion writes anything."""
+    for file in sorted(set(_tensor_files(path).values())):
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: listed in {os.path.join(path, INDEX_FILE)} but missing")
+        _read_header(file)
 
 
 def _tensor_files(path: str) -> dict[str, str]:
@@ -236,8 +249,7 @@ def _tensor_files(path: str) -> dict[str, str]:
     single = os.path.join(path, SINGLE_FILE)
     if not os.path.isfile(single):
         raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with safe_open(single, framework="np") as f:
-        return {name: single for name in f.keys()}
+    return {name: single for name in _read_header(single)[0]}
 
 
 def write_shards(

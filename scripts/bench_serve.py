@@ -68,11 +68,12 @@ def serve_args(args):
     from k26jax import cli
 
     if args.synthetic or args.synthetic_server:
-        extra = ["--method", args.method, "--budget", str(args.budget), "--max-batch", str(args.max_batch)]
+        extra = ["--method", args.method, "--max-batch", str(args.max_batch)]
+        extra += ["--budget", str(args.budget)] if args.method == "ddtree" else []
         extra += ["--max-len", str(args.max_len), "--max-queue", str(args.max_queue), "--log-level", "warning"]
         extra += ["--port", str(args.port)]
-        return cli.parser().parse_args(["serve", *extra])
-    return cli.parser().parse_args(["serve", *args.serve_args])
+        return cli.parse_args(["serve", *extra])
+    return cli.parse_args(["serve", *args.serve_args])
 
 
 class IdTokenizer:
@@ -130,10 +131,11 @@ def run_synthetic_server(args) -> int:
     from k26jax.serve import server
 
     sargs = serve_args(args)
+    sock = server.bind(sargs.host, sargs.port)
     dec, params, dparams = synthetic_engine(args, sargs)
     name = f"k26-depth{args.layers}-random" if args.synthetic_preset != "tiny" else "tiny-random"
-    sched, config = server.start(sargs, dec, params, dparams, IdTokenizer(), name)
-    return server.serve(sched, config, sargs.drain_timeout)
+    sched, config = server.start(sargs, dec, params, dparams, IdTokenizer(), name, sock)
+    return server.serve(sched, config, sargs.drain_timeout, sock)
 
 
 def bare_loop(args) -> dict:

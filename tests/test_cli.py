@@ -4,6 +4,7 @@ code 2, never a traceback; streamed text equals the full decode, multi-byte char
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -28,8 +29,8 @@ def run_cli(*args, timeout=300):
     [
         (["--ckpt", "/nonexistent/ckpt", "--prompt", "hi"], "/nonexistent/ckpt: checkpoint directory does not exist"),
         (["--prompt", ""], "prompts[0] is empty"),
-        (["--prompt", "hi", "--budget", "0"], "argument --budget: '0': use a positive integer or 'auto'"),
-        (["--prompt", "hi", "--budget", "auto", "--method", "chain"], "budget='auto' needs method='ddtree'"),
+        (["--prompt", "hi", "--budget", "0"], "argument --budget: '0': use an integer in 1..4095 or 'auto'"),
+        (["--prompt", "hi", "--budget", "auto", "--method", "chain"], "only --method ddtree builds a tree"),
         (["--prompt", "hi", "--drafter", "/nonexistent/drafter"], "/nonexistent/drafter"),
         (["--ckpt", TINY, "--prompt", "word " * 3000], "beyond the cache"),  # tiny: 4096 positions
     ],
@@ -41,6 +42,56 @@ def test_user_errors_are_one_line_and_exit_2(args, message):
     errors = [line for line in r.stderr.splitlines() if "error:" in line]  # argparse's start with the prog name
     assert len(errors) == 1 and message in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["generate", "--prompt", "hi", "--budget", "100000"], "--budget: '100000': use an integer in 1..4095"),
+        (["generate", "--prompt", "hi", "--method", "chain", "--budget", "64"], "--budget 64: only --method ddtree"),
+        (["generate", "--prompt", "hi", "--temperature", "nan"], "--temperature: 'nan': not a finite number"),
+        (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature: '-1': must be >= 0.0"),
+        (["generate", "--prompt", "hi", "--top-p", "0"], "--top-p: '0': must be > 0.0 and <= 1.0"),
+        (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens: '0': must be >= 1"),
+        (["generate", "--prompt", "hi", "--devices", "-1"], "--devices: '-1': must be >= 0"),
+        (["generate", "--prompt", "hi", "--profile", "FILE"], "cannot make this trace directory"),
+        (["serve", "--port", "70000"], "--port: '70000': must be >= 0 and <= 65535"),
+        (["serve", "--max-len", "0"], "--max-len: '0': must be >= 1"),
+        (["serve", "--max-logprobs", "50"], "--max-logprobs: '50': must be >= 0 and <= 20"),
+        (["serve", "--max-batch", "x"], "--max-batch: 'x': not an integer"),
+        (["serve", "--drain-timeout", "-5"], "--drain-timeout: '-5': must be >= 0.0"),
+        (["serve", "--method", "ar", "--budget", "auto"], "--budget auto: only --method ddtree"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name_before_anything_loads(tmp_path, capsys, args, said):
+    from k26jax import cli
+
+    (tmp_path / "FILE").write_text("")
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args([str(tmp_path / a) if a == "FILE" else a for a in args])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_serve_finds_a_busy_port_before_loading():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_cli("serve", "--port", str(port), timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"--port {port}: cannot serve there (Address already in use)" in r.stderr
+    assert "layers on" not in r.stderr  # nothing was loaded
+
+
+def test_several_prompts_print_each_completion_whole():
+    prompts = ["import os", "def f(x):"]
+    r = run_cli("generate", "--method", "ar", "--max-new-tokens", "5", *[a for p in prompts for a in ("--prompt", p)])
+    assert r.returncode == 0, r.stderr
+    headers = [f"[{i}] {p!r} ->" for i, p in enumerate(prompts)]
+    lines = r.stdout.splitlines()
+    assert [line for line in lines if re.fullmatch(r"\[\d\] '.*' ->", line)] == headers, r.stdout
+    first, second = lines.index(headers[0]), lines.index(headers[1])
+    assert first == 0 and "".join(lines[1:second]).strip() and "".join(lines[second + 1 :]).strip(), r.stdout
 
 
 def test_debug_shows_the_traceback():

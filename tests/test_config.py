@@ -270,3 +270,27 @@ def test_drafter_absent_fields_take_qwen3_defaults():
     assert (yarn.theta, yarn.factor, yarn.original_max_position_embeddings) == (10000.0, 4.0, 32768)
     with pytest.raises(ConfigError, match="rope_theta"):
         DrafterConfig.from_dict(dict(drafter_raw(), rope_theta=None))
+
+
+@pytest.mark.parametrize(
+    "field,value,said",
+    [
+        ("num_hidden_layers", 0, "must be >= 1, got 0"),
+        ("num_hidden_layers", -3, "must be >= 1, got -3"),
+        ("hidden_size", 0, "must be >= 1"),
+        ("vocab_size", -1, "must be >= 1"),
+        ("first_k_dense_replace", -1, "must be >= 0"),
+        ("n_routed_experts", -16, "must be >= 0"),
+    ],
+)
+def test_a_size_out_of_range_is_refused_by_name(field, value, said):
+    with pytest.raises(ConfigError, match=f"{field}: {said}"):
+        ModelConfig.from_hf_dict(dict(preset_text_config("tiny"), **{field: value}))
+
+
+def test_a_missing_or_file_checkpoint_path_is_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="gone: no such checkpoint directory"):
+        ModelConfig.from_hf_dir(str(tmp_path / "gone"))
+    with pytest.raises(ConfigError, match="file: not a directory"):
+        ModelConfig.from_hf_dir(str(tmp_path / "file"))

@@ -17,7 +17,7 @@ from convert import converter, make_tiny
 from convert.__main__ import main as convert_main
 from k26jax import checkpoint, hf_files, sharding
 from k26jax import hf as hf_layout
-from k26jax.config import ConfigError, ModelConfig
+from k26jax.config import ConfigError, DrafterConfig, ModelConfig
 from pallas_kernels.int4_moe_gemm import dequantize_int4, unpack_int4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -283,6 +283,22 @@ def test_truncated_shard(tmp_path, capsys):
     shard = os.path.join(hf, weight_map["language_model.lm_head.weight"])
     os.truncate(shard, os.path.getsize(shard) - 100)
     _assert_refused(capsys, tmp_path, hf, os.path.basename(shard), "truncated")
+
+
+@pytest.mark.parametrize("size", [1000, 200_000])  # inside the header; after it, inside the data
+def test_truncated_drafter_file(tmp_path, capsys, size):
+    hf = str(tmp_path / "hf")
+    shutil.copytree(TINY, hf)
+    os.truncate(os.path.join(hf, "drafter", hf_files.SINGLE_FILE), size)
+    _assert_refused(capsys, tmp_path, hf, os.path.join("drafter", hf_files.SINGLE_FILE), "truncated")
+
+
+def test_loading_a_truncated_drafter_names_the_file(tmp_path):
+    path = str(tmp_path / "drafter")
+    shutil.copytree(os.path.join(TINY, "drafter"), path)
+    os.truncate(os.path.join(path, hf_files.SINGLE_FILE), 200_000)
+    with pytest.raises(hf_files.CheckpointError, match=r"drafter/model.safetensors: shard is truncated"):
+        hf_layout.read_drafter_params(path, DrafterConfig.from_hf_dir(path))
 
 
 def test_wrong_shape(tmp_path, capsys):

@@ -146,3 +146,35 @@ def test_experts_override_and_bpe_fill():
     assert (cfg.n_routed_experts, cfg.num_hidden_layers, cfg.hidden_size) == (96, 2, 7168)
     assert (cfg.bos_token_id, cfg.pad_token_id) == (163584, 163839)
     assert len(make_tiny.bpe_ranks(4000)) == 4000
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["--preset", "bogus"], "unknown preset 'bogus'"),
+        (["--experts", "3"], "num_experts_per_tok"),
+        (["--out", "FILE"], "exists and is not a directory"),
+        (["--out", "FULL"], "directory exists and is not empty"),
+    ],
+)
+def test_a_users_mistake_is_one_line_and_writes_nothing(tmp_path, capsys, args, said):
+    (tmp_path / "FILE").write_text("not ours")
+    (tmp_path / "FULL").mkdir()
+    (tmp_path / "FULL" / "x").write_text("not ours")
+    args = [str(tmp_path / a) if a in ("FILE", "FULL") else a for a in args]
+    out = args[args.index("--out") + 1] if "--out" in args else str(tmp_path / "new")
+    before = sorted(os.listdir(tmp_path))
+    assert make_tiny.main(["--out", out, *args]) == 2
+    assert said in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == before  # no half-written output, nothing of ours left behind
+    assert (tmp_path / "FULL" / "x").read_text() == (tmp_path / "FILE").read_text() == "not ours"
+
+
+def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    def fail(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(make_tiny, "write_tokenizer", fail)
+    with pytest.raises(OSError, match="disk full"):
+        make_tiny.make_tiny(str(tmp_path / "out"))
+    assert os.listdir(tmp_path) == []

@@ -183,7 +183,8 @@ def complete(client, prompt, max_tokens=NEW, **kw):
 
 # ---- endpoints and equality with generate ----------------------------------------------------------------------
 def test_models_and_health(client, server):
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    (card,) = client.models.list().data
+    assert card.id == "tiny" and card.max_model_len == 128 - 8  # --max-len less the draft tree's L + 1 rows
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # no key needed
 
 
@@ -375,6 +376,8 @@ def test_bad_requests_get_400_naming_the_field(client, server, body, param):
 
 
 def test_malformed_json_unknown_model_and_the_server_stays_healthy(client, server):
+    rejected = 'k26jax_requests_total{outcome="rejected"}'
+    before = server.metrics()[rejected]
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     r = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": ', headers=auth)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
@@ -385,6 +388,8 @@ def test_malformed_json_unknown_model_and_the_server_stays_healthy(client, serve
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=-1)
     assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    assert httpx.get(server.url + "/nowhere", headers=auth).status_code == 404
+    assert server.metrics()[rejected] == before + 5  # two malformed bodies, the unknown model and path, T < 0
     assert httpx.get(server.url + "/health").status_code == 200
     assert complete(client, PROMPTS[0], 2).choices[0].finish_reason == "length"
 

@@ -36,6 +36,11 @@ class ServerConfig:
     max_logprobs: int
     api_key: str | None = None
 
+    @property
+    def context(self) -> int:
+        """Prompt + completion tokens a request may ask for: the cache rows less the draft tree's L + 1."""
+        return self.max_len - self.depth - 1
+
 
 @dataclasses.dataclass(eq=False)
 class Choice:
@@ -62,14 +67,15 @@ class Delta:
 class ApiKey:
     """ASGI middleware: every path but /health needs `Authorization: Bearer KEY`."""
 
-    def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode()
+    def __init__(self, app, key: str, metrics):
+        self.app, self.expected, self.metrics = app, f"Bearer {key}".encode(), metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health":
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
                 err = P.APIError(401, "Incorrect or missing API key", code="invalid_api_key")
+                self.metrics.finished("rejected")
                 await JSONResponse(err.body(), 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -124,7 +130,7 @@ class Frontend:
             raise P.bad_request("'messages' must not be empty", "messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
         ids = self.tokenizer.apply_chat_template(messages)
-        max_new = max_new or max(self.cfg.max_len - len(ids) - self.cfg.depth - 1, 1)
+        max_new = max_new or max(self.cfg.context - len(ids), 1)
         return self._submit("chat", [(ids, "messages")], max_new, param, sampling, top, req.seed)
 
     def _check_model(self, name: str):
@@ -153,13 +159,13 @@ class Frontend:
         """Check the lengths, then submit one engine request per prompt (all or none: 503 when the queue is full)."""
         cfg = self.cfg
         for ids, param in prompts:
-            need = len(ids) + max_new + cfg.depth + 1
-            if need > cfg.max_len:
+            if len(ids) + max_new > cfg.context:
                 raise P.bad_request(
-                    f"This model's maximum context length is {cfg.max_len} tokens. However, you requested {need} "
-                    f"tokens ({len(ids)} in the prompt, {max_new} for the completion and {cfg.depth + 1} for the "
-                    f"draft tree). Please reduce the length of the prompt or the completion.",
-                    param if len(ids) + cfg.depth + 2 > cfg.max_len else max_param,
+                    f"This model's maximum context length is {cfg.context} tokens (--max-len {cfg.max_len} cache "
+                    f"rows, less {cfg.depth + 1} for the draft tree). However, you requested {len(ids) + max_new} "
+                    f"tokens ({len(ids)} in the prompt, {max_new} for the completion). Please reduce the length of "
+                    f"the prompt or the completion.",
+                    param if len(ids) + 1 > cfg.context else max_param,
                 )
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -351,16 +357,22 @@ def create_app(sched: S.Scheduler, tokenizer, cfg: ServerConfig) -> FastAPI:
     """The FastAPI app over a started Scheduler."""
     app = FastAPI(title="k26jax", docs_url=None, redoc_url=None, openapi_url=None)
     if cfg.api_key:
-        app.add_middleware(ApiKey, key=cfg.api_key)
+        app.add_middleware(ApiKey, key=cfg.api_key, metrics=sched.metrics)
     front = Frontend(sched, tokenizer, cfg)
     created = P.now()
 
+    def refused(status: int):  # a client's mistake (4xx); 503s count as "overloaded" where they are raised
+        if 400 <= status < 500:
+            sched.metrics.finished("rejected")
+
     @app.exception_handler(P.APIError)
     async def api_error(_, err: P.APIError):
+        refused(err.status)
         return JSONResponse(err.body(), err.status, headers=err.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, err: StarletteHTTPException):
+        refused(err.status_code)
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
         return JSONResponse(P.APIError(err.status_code, str(err.detail), type=kind).body(), err.status_code)
 
@@ -378,7 +390,7 @@ def create_app(sched: S.Scheduler, tokenizer, cfg: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = {"id": cfg.model_name, "object": "model", "created": created, "owned_by": "k26jax"}
-        return {"object": "list", "data": [dict(card, max_model_len=cfg.max_len)]}
+        return {"object": "list", "data": [dict(card, max_model_len=cfg.context)]}
 
     @app.get("/metrics")
     async def metrics():

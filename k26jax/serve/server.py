@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -70,8 +71,26 @@ def load_decoder(args):
     return dec, model.params, model.drafter_params if dcfg is not None else None, model.tokenizer
 
 
-def start(args, dec: engine.Decoder | autobudget.AutoDecoder, params, dparams, tokenizer, name: str):
-    """Warm the engine (compile every insert bucket and the step), start its thread; (scheduler, uvicorn config)."""
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening) before the checkpoint loads: a busy port or a bad host fails
+    at once, not after minutes of loading and compiling. Port 0 takes a free one."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot serve there ({e.strerror})") from None
+    return sock
+
+
+def start(args, dec: engine.Decoder | autobudget.AutoDecoder, params, dparams, tokenizer, name: str, sock):
+    """Warm the engine (compile every insert bucket and the step), start its thread; (scheduler, uvicorn config).
+    sock: `bind`'s."""
     if args.max_batch < 1 or args.max_queue < 0:
         raise ValueError(f"--max-batch {args.max_batch} / --max-queue {args.max_queue}: need >= 1 / >= 0")
     if args.max_len < dec.sc.depth + 3:
@@ -84,8 +103,9 @@ def start(args, dec: engine.Decoder | autobudget.AutoDecoder, params, dparams, t
     )
     started = time.perf_counter()
     sched.warm_up()
+    port = sock.getsockname()[1]
     print(
-        f"[k26jax] serving {name} on http://{args.host}:{args.port}: method={args.method}"
+        f"[k26jax] serving {name} on http://{args.host}:{port}: method={args.method}"
         + (f", budget={args.budget}" if args.method == "ddtree" else "")
         + f", {args.max_batch} slots, max_len {args.max_len}, prompt buckets {buckets(args.max_len)}; "
         f"warm-up {time.perf_counter() - started:.1f}s, {metrics.compiled} compilations; "
@@ -106,7 +126,7 @@ def start(args, dec: engine.Decoder | autobudget.AutoDecoder, params, dparams, t
     config = uvicorn.Config(
         create_app(sched, tokenizer, server_cfg),
         host=args.host,
-        port=args.port,
+        port=port,
         log_level=args.log_level,
         timeout_graceful_shutdown=args.drain_timeout + 2,
         lifespan="off",
@@ -114,8 +134,8 @@ def start(args, dec: engine.Decoder | autobudget.AutoDecoder, params, dparams, t
     return sched, config
 
 
-def serve(sched: Scheduler, config, drain_timeout: float) -> int:
-    """Run uvicorn until SIGTERM / SIGINT, draining the scheduler first; 0 after a clean stop."""
+def serve(sched: Scheduler, config, drain_timeout: float, sock: socket.socket) -> int:
+    """Run uvicorn on sock until SIGTERM / SIGINT, draining the scheduler first; 0 after a clean stop."""
     # The engine thread waits for each step with the GIL released and needs it back the moment the step ends,
     # while the HTTP thread may be running Python (streaming chunks); CPython hands the GIL over only after the
     # switch interval, 5 ms by default: long against a decode step.
@@ -125,7 +145,7 @@ def serve(sched: Scheduler, config, drain_timeout: float) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         sched.stop()
     print("[k26jax] server stopped", file=sys.stderr, flush=True)
@@ -135,15 +155,16 @@ def serve(sched: Scheduler, config, drain_timeout: float) -> int:
 def run(args) -> int:
     """`k26jax serve`. Several processes (k26jax.distributed): process 0 serves HTTP and leads, the others follow
     its device calls (serve/multihost.py)."""
+    sock = bind(args.host, args.port) if jax.process_index() == 0 else None
     dec, params, dparams, tokenizer = load_decoder(args)
     if jax.process_index() > 0:
         print(f"[k26jax] process {jax.process_index()}: following process 0's steps", file=sys.stderr, flush=True)
         return multihost.follow(dec, params, dparams)
     leader = multihost.Leader(dec) if jax.process_count() > 1 else None
     name = args.served_model_name or os.path.basename(os.path.normpath(args.ckpt))
-    sched, config = start(args, leader or dec, params, dparams, tokenizer, name)
+    sched, config = start(args, leader or dec, params, dparams, tokenizer, name, sock)
     try:
-        return serve(sched, config, args.drain_timeout)
+        return serve(sched, config, args.drain_timeout, sock)
     finally:
         if leader is not None:
             leader.stop()
