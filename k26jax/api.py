@@ -17,6 +17,7 @@ from k26jax.config import ModelConfig
 from k26jax.model import target
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+DEFAULT_CKPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "mini")
 log = logging.getLogger(__name__)
 
 
@@ -116,6 +117,8 @@ def load(
         what = (
             "is a file, not a checkpoint directory" if os.path.exists(path) else "checkpoint directory does not exist"
         )
+        if os.path.abspath(path) == os.path.abspath(DEFAULT_CKPT):
+            what += " (the embedded pair ships in the source tree, not in a built wheel: pass --ckpt DIR)"
         raise FileNotFoundError(f"{path}: {what}")
     impls = impls or ops.Impls.auto(mesh, expert_mode)
     if _is_hf_dir(path):

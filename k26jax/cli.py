@@ -58,8 +58,10 @@ def _setup(args):
 
     logging.basicConfig(format="[k26jax] %(message)s", stream=sys.stderr)
     logging.getLogger("k26jax").setLevel(logging.DEBUG if args.debug else logging.INFO)
-    if not args.no_compile_cache:
-        cache = os.environ.get("K26JAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k26jax", "jax"))
+    cache = os.environ.get("K26JAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "k26jax", "jax"))
+    if os.path.exists(cache) and not os.path.isdir(cache) and not args.no_compile_cache:
+        logging.getLogger("k26jax").warning("K26JAX_CACHE_DIR=%s is not a directory: compiled programs not kept", cache)
+    elif not args.no_compile_cache:
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
@@ -210,8 +212,8 @@ def _placement_args(p):
 
 
 def parser() -> argparse.ArgumentParser:
+    from k26jax.api import DEFAULT_CKPT
     from k26jax.engine import MAX_TOP_LOGPROBS, METHODS
-    from k26jax.generation import DEFAULT_CKPT
 
     ap = argparse.ArgumentParser(prog="k26jax", description="Kimi K2.6 in JAX with DDTree speculative decoding")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from typing import Callable
 
@@ -18,7 +17,6 @@ from k26jax.api import Model
 log = logging.getLogger(__name__)
 
 STREAM_FIELDS = ("emitted", "num_emitted", "done", "step")
-DEFAULT_CKPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "mini")
 
 
 @dataclasses.dataclass

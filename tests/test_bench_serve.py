@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from k26jax.generation import DEFAULT_CKPT
+from k26jax.api import DEFAULT_CKPT
 from k26jax.tokenizer import Tokenizer
 from k26jax.train import corpus
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from k26jax.generation import DEFAULT_CKPT
+from k26jax.api import DEFAULT_CKPT
 from k26jax.tokenizer import StreamDecoder, Tokenizer
 
 TINY = os.path.join(os.path.dirname(DEFAULT_CKPT), "tiny")

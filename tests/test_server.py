@@ -365,6 +365,9 @@ def test_a_cancelled_stream_frees_its_slot(client, server, long_ones):
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
         ({"messages": [], "max_tokens": 4}, "messages"),
+        ({"prompt": "hi", "max_tokens": "4"}, "max_tokens"),  # strict: not coerced
+        ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ],
 )
 def test_bad_requests_get_400_naming_the_field(client, server, body, param):

@@ -35,7 +35,7 @@ def bad_request(message: str, param=None) -> APIError:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "4" or true for an integer is refused, not coerced
 
 
 class StreamOptions(_Strict):
@@ -130,6 +130,7 @@ def parse(model_cls, raw: bytes):
         raise bad_request(f"We could not parse the JSON body of your request: {e}") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object")
+    _refuse_non_text_parts(body.get("messages"))
     try:
         req = model_cls.model_validate(body)
     except pydantic.ValidationError as e:
@@ -145,6 +146,20 @@ def parse(model_cls, raw: bytes):
         if value is not None and value not in NEUTRAL.get(name, ()):
             raise bad_request(f"'{name}' is not supported by this server", name)
     return req
+
+
+def _refuse_non_text_parts(messages) -> None:
+    """An image, audio or file content part is named as unsupported (a text-only model), not as a type error."""
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        parts = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(parts if isinstance(parts, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise bad_request(
+                    f"Invalid value for 'messages.{i}.content.{j}': only text content parts are supported "
+                    f"(got type {kind!r})",
+                    "messages",
+                )
 
 
 def check_sampling(req: _Sampling) -> dict:
