@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import re
 import time
 
 import numpy as np
@@ -35,7 +36,7 @@ from k26jax import budget, engine
 
 CANDIDATES = budget.CANDIDATES
 EMA = 0.3  # weight of the newest step time
-MAX_PAIRS = 1 << 16  # calibration pairs kept (the newest)
+MAX_PAIRS = 1 << 14  # calibration pairs kept (the newest): a refit over them is ~5 ms of host time
 TRIAL = 2  # timed steps a candidate runs when it is tried
 MEAN_EMA = 0.05  # weight of the newest estimate in the running E[tau] statistics (1/n before 1/MEAN_EMA of them)
 PREDICT_AFTER = 8  # estimates seen before rho is estimated (until then Policy.rho_prior)
@@ -46,6 +47,24 @@ def label(candidate) -> str:
     """ "chain" or "ddtree32": a candidate's name in stats and metrics."""
     method, b = candidate
     return method if method == "chain" else f"{method}{b}"
+
+
+def parse_candidates(text: str) -> tuple:
+    """ "chain,ddtree16,ddtree32" -> the candidates auto chooses among (`label`s, comma-separated, at least one)."""
+    from pallas_kernels.tree_build import MAX_BUDGET
+
+    out = []
+    for name in (n.strip() for n in text.split(",")):
+        m = re.fullmatch(r"ddtree(\d+)", name)
+        if name == "chain":
+            out.append(CANDIDATES[0])
+        elif m and 1 <= int(m.group(1)) <= MAX_BUDGET:
+            out.append(("ddtree", int(m.group(1))))
+        else:
+            raise ValueError(f"{name!r}: a candidate is 'chain' or 'ddtreeN' (N in 1..{MAX_BUDGET})")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{text!r}: a candidate is named twice")
+    return tuple(out)
 
 
 def _ema(old, new):

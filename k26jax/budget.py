@@ -174,7 +174,8 @@ def calibrate(predicted, observed, kind: str = "power", bins: int = 64) -> Calib
 
     predicted: S_a values (the drafter's own P(tau >= a + 1) for the verified tree), observed: 0/1 outcomes
     (`calibration_pairs` over many steps). "power": gamma by maximum Bernoulli likelihood (golden section on
-    log gamma in [-3, 3]), a temperature on path probabilities: for a chain S_a^gamma is exactly the product of
+    log gamma in [-3, 3] to 1e-6, one likelihood a bracket), a temperature on path probabilities: for a chain
+    S_a^gamma is exactly the product of
     the top-1 probabilities each raised to gamma. "isotonic": pool-adjacent-violators over the outcomes sorted by
     S, averaged into `bins` quantile knots (plus (0, 0) and (1, 1) ends), then interpolated."""
     s = np.clip(np.asarray(predicted, np.float64), 1e-9, 1.0)
@@ -182,15 +183,25 @@ def calibrate(predicted, observed, kind: str = "power", bins: int = 64) -> Calib
     if s.shape != y.shape or s.size == 0:
         raise ValueError(f"predicted {s.shape} and observed {y.shape} must be equal non-empty shapes")
     if kind == "power":
+        log_s = np.log(s)
 
         def nll(log_gamma):
-            p = np.clip(s ** np.exp(log_gamma), 1e-9, 1 - 1e-9)
+            p = np.clip(np.exp(np.exp(log_gamma) * log_s), 1e-9, 1 - 1e-9)
             return -(y * np.log(p) + (1 - y) * np.log1p(-p)).sum()
 
+        r = (np.sqrt(5.0) - 1) / 2  # each bracket keeps one of the last two points
         lo, hi = -3.0, 3.0
-        for _ in range(60):
-            a, b = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
-            lo, hi = (lo, b) if nll(a) < nll(b) else (a, hi)
+        a, b = hi - r * (hi - lo), lo + r * (hi - lo)
+        fa, fb = nll(a), nll(b)
+        while hi - lo > 1e-6:
+            if fa < fb:
+                hi, b, fb = b, a, fa
+                a = hi - r * (hi - lo)
+                fa = nll(a)
+            else:
+                lo, a, fa = a, b, fb
+                b = lo + r * (hi - lo)
+                fb = nll(b)
         return Calibration("power", gamma=float(np.exp((lo + hi) / 2)))
     if kind == "isotonic":
         order = np.argsort(s, kind="stable")

@@ -106,6 +106,7 @@ def _generate(args) -> int:
                 top_p=args.top_p,
                 seed=args.seed,
                 on_tokens=on_tokens,
+                auto_candidates=args.auto_candidates,
             )
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
@@ -172,6 +173,22 @@ def budget_arg(text: str) -> int | str:
     return value
 
 
+def candidates_arg(text: str) -> tuple:
+    """--auto-candidates: autobudget.parse_candidates."""
+    from k26jax.autobudget import parse_candidates
+
+    try:
+        return parse_candidates(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+AUTO_CANDIDATES_HELP = (
+    "with --budget auto: what it chooses among, e.g. chain,ddtree16,ddtree32 (default: chain and ddtree8..128; "
+    "each is compiled twice, so fewer start faster)"
+)
+
+
 def bounded(kind, low=None, high=None, above=None):
     """An argparse type: a finite kind(text) >= low (or > above) and <= high; the error names the bound."""
     parts = (
@@ -225,6 +242,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
     g.add_argument("--method", default="ddtree", choices=METHODS)
     g.add_argument("--budget", type=budget_arg, default=None, help=BUDGET_HELP)
+    g.add_argument("--auto-candidates", type=candidates_arg, default=None, help=AUTO_CANDIDATES_HELP)
     g.add_argument("--max-new-tokens", type=bounded(int, 1), default=48)
     g.add_argument("--temperature", type=bounded(float, 0.0), default=0.0)
     g.add_argument("--top-p", type=bounded(float, above=0.0, high=1.0), default=1.0)
@@ -244,6 +262,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="0: any free port")
     s.add_argument("--method", default="ddtree", choices=METHODS)
     s.add_argument("--budget", type=budget_arg, default=None, help=BUDGET_HELP)
+    s.add_argument("--auto-candidates", type=candidates_arg, default=None, help=AUTO_CANDIDATES_HELP)
     s.add_argument("--max-batch", type=bounded(int, 1), default=8, help="slots decoded together")
     s.add_argument(
         "--max-len", type=bounded(int, 1), default=4096, help="cache rows per slot: prompt + completion + draft"
@@ -277,6 +296,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.budget = DEFAULT_BUDGET
     elif args.method != "ddtree":
         ap.error(f"--budget {args.budget}: only --method ddtree builds a tree of a budget (not {args.method})")
+    if args.auto_candidates is not None and args.budget != "auto":
+        ap.error("--auto-candidates: only with --budget auto")
     if getattr(args, "profile", None):
         try:
             os.makedirs(args.profile, exist_ok=True)

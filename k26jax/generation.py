@@ -72,13 +72,15 @@ def generate(
     loop: str = "python",
     on_tokens: Callable[[int, list[int]], None] | None = None,
     drafter: engine.Drafter | None = None,
+    auto_candidates: tuple | None = None,
 ) -> Result:
     """Decode a batch of prompts (token-id lists, or strings when the checkpoint has a tokenizer; one string is one
     prompt).
 
     loop="python" steps from Python and streams new tokens to on_tokens(index, ids); loop="while" runs every
     step inside one lax.while_loop. budget="auto" (DDTree, loop="python"): each step runs chain or DDTree at the
-    budget with the most expected tokens a second (k26jax.autobudget); stats["auto"] says what it chose.
+    budget with the most expected tokens a second (k26jax.autobudget); stats["auto"] says what it chose, among
+    auto_candidates (default autobudget.CANDIDATES: chain and DDTree at 8..128; fewer compile faster).
     `drafter` replaces the model's DFlash drafter (an `engine.Drafter`, e.g. an oracle in tests).
     Prompt i samples from the PRNG stream fold_in(key(seed), i) (`engine.slot_keys`).
     stats: steps, per-step accept lengths, tau, new tokens, prefill (incl. its compile), step compile and
@@ -94,6 +96,8 @@ def generate(
         raise ValueError(f"budget='auto' needs method='ddtree' and loop='python' (got {method!r}, {loop!r})")
     if auto and jax.process_count() > 1:  # each process would time its own steps and could choose differently
         raise ValueError("budget='auto' is for one process (or the server, where process 0 chooses): use a number")
+    if auto_candidates is not None and not auto:
+        raise ValueError(f"auto_candidates={auto_candidates}: only for budget='auto'")
     if not auto and (isinstance(budget, bool) or not isinstance(budget, int | np.integer)):
         raise ValueError(f"budget={budget!r}: use a positive integer or 'auto'")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -108,6 +112,8 @@ def generate(
     )
     ids, lengths, cache_len = _prepare(model, prompts, max_new_tokens, sc, max_len)
     kw = dict(drafter=drafter or engine.DFlashDraft())
+    if auto:
+        kw["candidates"] = tuple(auto_candidates or autobudget.CANDIDATES)
     dec = (autobudget.auto_decoder if auto else engine.Decoder)(model.cfg, dcfg, sc, model.impls, **kw)
     dparams = model.drafter_params if dcfg is not None else None
     log.info("prefill of %d prompt(s) of up to %d tokens (compiled on first use of these shapes)", *ids.shape)

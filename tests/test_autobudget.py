@@ -2,7 +2,6 @@
 k26jax.budget's estimate of the same draft, and generate's auto decoding against AR (lossless)."""
 
 import dataclasses
-import functools
 import os
 
 import jax
@@ -135,25 +134,25 @@ def test_a_step_reports_the_survival_budget_estimates_from_its_draft():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_auto_decoding_emits_ar_tokens_and_reports_its_choices(monkeypatch):
-    """float32 greedy: whatever candidates the policy runs (three of them here, so the test compiles six steps;
-    the server's test races them all), the tokens are AR's; the second call reuses the compiled steps and the
-    measured times."""
-    monkeypatch.setattr(autobudget, "auto_decoder", functools.partial(autobudget.auto_decoder, candidates=CANDS))
+def test_auto_decoding_emits_ar_tokens_and_reports_its_choices():
+    """float32 greedy: whatever candidates the policy runs (three here, the smallest and the largest default
+    budgets among them, so the test compiles six steps), the tokens are AR's; the second call reuses the compiled
+    steps and the measured times."""
+    cands = autobudget.parse_candidates("chain,ddtree8,ddtree128")
     jax.config.update("jax_default_matmul_precision", "highest")
     try:
         model = k26jax.load(TINY, dtype="float32")
         prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
         ar = generate(model, prompts, max_new_tokens=30, method="ar")
-        first = generate(model, prompts, max_new_tokens=30, budget="auto")
-        again = generate(model, prompts, max_new_tokens=30, budget="auto")
+        first = generate(model, prompts, max_new_tokens=30, budget="auto", auto_candidates=cands)
+        again = generate(model, prompts, max_new_tokens=30, budget="auto", auto_candidates=cands)
     finally:
         jax.config.update("jax_default_matmul_precision", None)
     assert first.tokens == ar.tokens == again.tokens
     a = first.stats["auto"]
     assert first.stats["budget"] == "auto" and sum(a["choices"].values()) == first.stats["steps"]
-    assert all(a["choices"].get(autobudget.label(c), 0) >= 2 for c in CANDS)  # each tried twice
-    assert set(a["step_ms"]) == {autobudget.label(c) for c in CANDS}
+    assert all(a["choices"].get(autobudget.label(c), 0) >= 2 for c in cands)  # each tried twice
+    assert set(a["step_ms"]) == {autobudget.label(c) for c in cands}
     assert sum(again.stats["auto"]["choices"].values()) == again.stats["steps"]
     assert again.stats["compile_s"] < first.stats["compile_s"]
 
@@ -301,3 +300,16 @@ def test_the_step_after_an_estimating_one_is_not_timed_and_a_new_request_counts_
     pol.observe(2, 0.030, empty, np.ones(2, int), np.ones(2, bool))
     pol.choose(empty, np.ones(2))  # a fresh estimate speaks for both slots again
     assert pol.known.all()
+
+
+def test_candidates_parse_by_label_and_refuse_by_name():
+    assert autobudget.parse_candidates("chain, ddtree16") == (("chain", 7), ("ddtree", 16))
+    assert autobudget.parse_candidates(",".join(map(autobudget.label, autobudget.CANDIDATES))) == autobudget.CANDIDATES
+    for bad, said in (
+        ("ddtree0", "'ddtree0'"),
+        ("tree8", "'tree8'"),
+        ("ddtree9999", "1..4095"),
+        ("chain,chain", "twice"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            autobudget.parse_candidates(bad)

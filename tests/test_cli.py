@@ -61,6 +61,8 @@ def test_user_errors_are_one_line_and_exit_2(args, message):
         (["serve", "--max-batch", "x"], "--max-batch: 'x': not an integer"),
         (["serve", "--drain-timeout", "-5"], "--drain-timeout: '-5': must be >= 0.0"),
         (["serve", "--method", "ar", "--budget", "auto"], "--budget auto: only --method ddtree"),
+        (["generate", "--prompt", "hi", "--auto-candidates", "chain"], "--auto-candidates: only with --budget auto"),
+        (["serve", "--budget", "auto", "--auto-candidates", "chain,tree8"], "'tree8': a candidate is 'chain' or"),
     ],
 )
 def test_bad_arguments_are_refused_by_name_before_anything_loads(tmp_path, capsys, args, said):

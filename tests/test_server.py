@@ -1,7 +1,8 @@
 """`k26jax serve` as a client sees it: a real server process on 127.0.0.1 and the official openai client.
 
-One server (tiny checkpoint, float32, DDTree with --budget auto, 4 slots) serves most tests; a second one (AR),
-started at the same time, holds the fault-injection seam and is stopped by SIGTERM. Both run on one device (the
+One server (tiny checkpoint, float32, DDTree with --budget auto among three candidates, 4 slots) serves most
+tests; a second one (AR), started at the same time, holds the fault-injection seam and is stopped by SIGTERM. Both
+run on one device (the
 sharded server is tests/test_distributed.py's, on a (2, 4) mesh of two processes). Greedy outputs are checked against
 `k26jax.generate` under DESIGN's near-tie rule (compared up to the first position whose float32 top-1/top-2 margin
 is < 1e-4).
@@ -37,6 +38,8 @@ MAIN = [
     "ddtree",
     "--budget",
     "auto",
+    "--auto-candidates",
+    "chain,ddtree8,ddtree16",  # three of the six keep the warm-up short (test_autobudget races all of them)
     "--max-batch",
     "4",
     "--max-len",

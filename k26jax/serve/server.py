@@ -66,8 +66,11 @@ def load_decoder(args):
     dcfg = model.drafter_cfg if args.method != "ar" else None
     if args.budget == "auto" and args.method != "ddtree":
         raise ValueError(f"--budget auto chooses DDTree budgets: use it with --method ddtree (not {args.method})")
-    kind = autobudget.AutoDecoder if args.budget == "auto" else engine.Decoder
-    dec = kind(cfg, dcfg, step_config(args, cfg, dcfg), model.impls)
+    sc = step_config(args, cfg, dcfg)
+    if args.budget == "auto":
+        dec = autobudget.AutoDecoder(cfg, dcfg, sc, model.impls, args.auto_candidates or autobudget.CANDIDATES)
+    else:
+        dec = engine.Decoder(cfg, dcfg, sc, model.impls)
     return dec, model.params, model.drafter_params if dcfg is not None else None, model.tokenizer
 
 
