@@ -118,9 +118,9 @@ def _generate(args) -> int:
         ) from None
     if single:
         print(streams[0].flush(), end="")
-    for i, (prompt, parts) in enumerate(zip(args.prompt, texts)):
-        if not single:
-            print(f"{'' if i == 0 else chr(10)}[{i}] {prompt!r} ->\n{''.join(parts)}{streams[i].flush()}")
+    else:
+        whole = zip(args.prompt, texts, streams)
+        print("\n\n".join(f"[{i}] {p!r} ->\n{''.join(parts)}{st.flush()}" for i, (p, parts, st) in enumerate(whole)))
     s = result.stats
     if s["steps"]:
         speed = (
