@@ -31,24 +31,3 @@ def import_script():
     """import_script(name): scripts/<name>.py as a module, as `python scripts/<name>.py` sees its imports
     (scripts/ first on sys.path). A fixture: `from conftest import ...` can find tests/gpu/conftest.py instead."""
     return _import_script
-
-
-# The slowest files first, so that `scripts/test.sh`'s two workers (whole files each) end together instead of one
-# finishing a long file alone (about 2 minutes of the suite's wall time on 2 cores).
-SLOWEST_FIRST = (
-    "test_bench_share.py",
-    "test_bench_e2e.py",
-    "test_bench_auto.py",
-    "test_server.py",
-    "test_distributed.py",
-    "test_engine.py",
-    "test_autobudget.py",
-    "test_mini_pair.py",
-    "test_cli.py",
-    "test_serve_scheduler.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the other files keep their order
