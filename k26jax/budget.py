@@ -175,9 +175,9 @@ def calibrate(predicted, observed, kind: str = "power", bins: int = 64) -> Calib
     predicted: S_a values (the drafter's own P(tau >= a + 1) for the verified tree), observed: 0/1 outcomes
     (`calibration_pairs` over many steps). "power": gamma by maximum Bernoulli likelihood (golden section on
     log gamma in [-3, 3] to 1e-6, one likelihood a bracket), a temperature on path probabilities: for a chain
-    S_a^gamma is exactly the product of
-    the top-1 probabilities each raised to gamma. "isotonic": pool-adjacent-violators over the outcomes sorted by
-    S, averaged into `bins` quantile knots (plus (0, 0) and (1, 1) ends), then interpolated."""
+    S_a^gamma is exactly the product of the top-1 probabilities each raised to gamma. "isotonic":
+    pool-adjacent-violators over the outcomes sorted by S, averaged into `bins` quantile knots (plus (0, 0) and
+    (1, 1) ends), then interpolated."""
     s = np.clip(np.asarray(predicted, np.float64), 1e-9, 1.0)
     y = np.asarray(observed, np.float64)
     if s.shape != y.shape or s.size == 0:

@@ -64,8 +64,6 @@ def load_decoder(args):
     if args.max_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-len {args.max_len} is beyond max_position_embeddings ({cfg.max_position_embeddings})")
     dcfg = model.drafter_cfg if args.method != "ar" else None
-    if args.budget == "auto" and args.method != "ddtree":
-        raise ValueError(f"--budget auto chooses DDTree budgets: use it with --method ddtree (not {args.method})")
     sc = step_config(args, cfg, dcfg)
     if args.budget == "auto":
         dec = autobudget.AutoDecoder(cfg, dcfg, sc, model.impls, args.auto_candidates or autobudget.CANDIDATES)
