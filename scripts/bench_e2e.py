@@ -236,7 +236,8 @@ class Setup:
         """params with each MoE layer's router bias balanced (`balance_router`), and the record of it."""
         if not self.cfg.n_routed_experts:
             return params, None
-        params, record = balance_router(params, self.cfg, self.probe_impls, self.args.seed)
+        calibration = TINY_CALIBRATION if self.args.cpu_mesh8 else {}
+        params, record = balance_router(params, self.cfg, self.probe_impls, self.args.seed, **calibration)
         return params, {"kind": "router", "layers": self.layers, **record}
 
     def tau(self, v: Variant) -> float:
@@ -247,13 +248,17 @@ class Setup:
         return jax.jit(lambda logits: _build_with_visibility(logits, sc, impls))
 
 
-def balance_router(params, cfg, probe_impls: ops.Impls, seed: int):
+TINY_CALIBRATION = dict(tokens=(2, 64), iters=10)  # tiny shapes on the CPU: a short calibration checks the path
+
+
+def balance_router(params, cfg, probe_impls: ops.Impls, seed: int, tokens=(4, 256), iters=40):
     """params with each MoE layer's router bias balanced (routing.balance_bias) over a calibration batch of random
     tokens, as a trained K2.6's is (an unbalanced random router crowds tokens onto few experts and lets a step read
-    less than a real one), and the record of it. probe_impls: the model's Impls with an ExpertProbe."""
+    less than a real one), and the record of it. probe_impls: the model's Impls with an ExpertProbe; tokens: the
+    calibration batch's (rows, length); iters: sign updates."""
     probe = probe_impls.probe
-    ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (4, 256)).astype(np.int32)
-    lengths = np.full((4,), 256, np.int32)
+    ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, tokens).astype(np.int32)
+    lengths = np.full(tokens[:1], tokens[1], np.int32)
     prefill = functools.partial(api._prefill_jit, cfg=cfg, impls=probe_impls, hidden_layer_ids=())
     bias_leaf = params["moe"]["mlp"]["router_bias"]
 
@@ -267,7 +272,7 @@ def balance_router(params, cfg, probe_impls: ops.Impls, seed: int):
         return probe.loads(bias_leaf.shape[0])
 
     start = time.perf_counter()
-    bias, before, after = routing.balance_bias(loads, np.asarray(bias_leaf, np.float32))
+    bias, before, after = routing.balance_bias(loads, np.asarray(bias_leaf, np.float32), iters)
     probe.clear()
     record = {
         "calibration_tokens": int(ids.size),

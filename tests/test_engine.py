@@ -154,11 +154,14 @@ def test_cache_commit_equals_prefill_of_the_emitted_tokens(model, ar):
     state = dec.prefill(model.params, model.drafter_params, ids, lengths, jax.random.key(0), max_len=128)
     for _ in range(4):
         state = dec.step(model.params, model.drafter_params, state)
+    prefill = jax.jit(target.forward_prefill, static_argnames=("cfg", "impls"))  # compiled, not run op by op
     for i, p in enumerate(PROMPTS):
         n = int(state.cache.lengths[i])
         seq = (p + ar[0][i])[:n]
         assert n == len(p) + int(state.num_out[i]) - 1  # the last emitted token is the next root, no KV yet
-        _, rows, _ = target.forward_prefill(model.params, model.cfg, jnp.asarray([seq]), jnp.asarray([n]), IMPLS)
+        _, rows, _ = prefill(
+            model.params, cfg=model.cfg, ids_BT=jnp.asarray([seq]), lengths_B=jnp.asarray([n]), impls=IMPLS
+        )
         np.testing.assert_allclose(state.cache.rows[:, i, :n], rows[:, 0], atol=2e-5)
 
 
