@@ -2,6 +2,8 @@
 
 Prompts: the first --prompt-tokens ids of the first --prompts held-out corpus files that have that many
 (`k26jax.train.corpus.heldout_prompts`; the record says how many qualify), decoded in batches of --batch.
+--prompts-from RUN takes them from a train_mini run's tokenizer stage instead (RUN/tokens: made where the stdlib is
+the committed list's), for a machine whose Python has another stdlib (the GPU machine).
 For each temperature: AR (tau 1 by construction, the baseline), chain (depth block-1), DDTree at each budget, and
 budget="auto" (k26jax.autobudget: each step's candidate chosen by expected tokens a second; --no-auto drops it).
 Per run it records, from `Result.stats["accept_lens"]` (tokens emitted per target pass, active steps only):
@@ -218,6 +220,8 @@ def sha256_file(path: str) -> str | None:
 
 
 def load_prompts(model, args) -> tuple[np.ndarray, dict]:
+    if args.prompts_from:
+        return run_prompts(model, args)
     files = corpus.corpus_files(None, args.any_python)
     held = corpus.split_files(files)[1]
     allq, names = corpus.heldout_prompts(model.tokenizer, n=len(held), prompt_tokens=args.prompt_tokens, files=files)
@@ -233,6 +237,39 @@ def load_prompts(model, args) -> tuple[np.ndarray, dict]:
         "corpus_file_list_sha256": corpus.file_list_hash(files),
     }
     return prompts, info
+
+
+def run_prompts(model, args) -> tuple[np.ndarray, dict]:
+    """The held-out prompts that a train_mini run's tokenizer stage wrote (RUN/tokens/heldout_prompts.npy and
+    data_manifest.json), so a machine whose Python has another stdlib decodes the committed list's prompts. The
+    run's tokenizer (RUN/tokenizer/tiktoken.model) must be the checkpoint's."""
+    run = args.prompts_from
+    arr, man, tok = (os.path.join(run, *p) for p in TOKEN_FILES)
+    for path in (arr, man, tok):
+        if not os.path.isfile(path):
+            sys.exit(f"error: --prompts-from: {path} is missing (run train_mini.py --out {run} --stages tokenizer)")
+    if sha256_file(tok) != sha256_file(os.path.join(model.path, "tiktoken.model")):
+        sys.exit(f"error: --prompts-from: {tok} is not {model.path}'s tokenizer: its prompts would be other text")
+    with open(man) as f:
+        manifest = json.load(f)
+    allq = np.load(arr)
+    if allq.shape[1] < args.prompt_tokens:
+        sys.exit(f"error: --prompts-from: {arr} holds {allq.shape[1]}-token prompts, fewer than --prompt-tokens")
+    prompts = allq[: args.prompts, : args.prompt_tokens]
+    info = {
+        "requested": args.prompts,
+        "used": len(prompts),
+        "heldout_files": manifest["num_heldout_files"],
+        "qualifying_files": len(allq),
+        "prompt_tokens": args.prompt_tokens,
+        "files": manifest["heldout_prompt_files"][: len(prompts)],
+        "python_version": manifest["python_version"],
+        "corpus_file_list_sha256": manifest["file_list_sha256"],
+    }
+    return prompts, info
+
+
+TOKEN_FILES = (("tokens", "heldout_prompts.npy"), ("tokens", "data_manifest.json"), ("tokenizer", "tiktoken.model"))
 
 
 def read_record(path: str) -> dict:
@@ -498,6 +535,9 @@ def parse_args(argv=None):
         "--fit-synthetic", action="store_true", help="fit k26jax.synthetic's profile to --out's T = 0 curve and exit"
     )
     parser.add_argument("--any-python", action="store_true", help="accept a stdlib that differs from data/'s list")
+    parser.add_argument(
+        "--prompts-from", metavar="RUN", help="a train_mini run's held-out prompts (RUN/tokens), not this stdlib's"
+    )
     harness.add_record_args(parser, DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.new_tokens < 1 or args.batch < 1 or min(args.budgets) < 1:
