@@ -221,28 +221,40 @@ def sha256_file(path: str) -> str | None:
 
 def load_prompts(model, args) -> tuple[np.ndarray, dict]:
     if args.prompts_from:
-        return run_prompts(model, args)
-    files = corpus.corpus_files(None, args.any_python)
-    held = corpus.split_files(files)[1]
-    allq, names = corpus.heldout_prompts(model.tokenizer, n=len(held), prompt_tokens=args.prompt_tokens, files=files)
-    prompts = allq[: args.prompts]
+        allq, names, source = run_prompts(model, args)
+    else:
+        files = corpus.corpus_files(None, args.any_python)
+        held = corpus.split_files(files)[1]
+        allq, names = corpus.heldout_prompts(
+            model.tokenizer, n=len(held), prompt_tokens=args.prompt_tokens, files=files
+        )
+        source = {
+            "heldout_files": len(held),
+            "python_version": platform.python_version(),
+            "corpus_file_list_sha256": corpus.file_list_hash(files),
+        }
+    prompts = allq[: args.prompts, : args.prompt_tokens]
     info = {
         "requested": args.prompts,
         "used": len(prompts),
-        "heldout_files": len(held),
+        "heldout_files": source["heldout_files"],
         "qualifying_files": len(allq),
         "prompt_tokens": args.prompt_tokens,
         "files": names[: len(prompts)],
-        "python_version": platform.python_version(),
-        "corpus_file_list_sha256": corpus.file_list_hash(files),
+        "python_version": source["python_version"],
+        "corpus_file_list_sha256": source["corpus_file_list_sha256"],
     }
     return prompts, info
 
 
-def run_prompts(model, args) -> tuple[np.ndarray, dict]:
+TOKEN_FILES = (("tokens", "heldout_prompts.npy"), ("tokens", "data_manifest.json"), ("tokenizer", "tiktoken.model"))
+
+
+def run_prompts(model, args) -> tuple[np.ndarray, list[str], dict]:
     """The held-out prompts that a train_mini run's tokenizer stage wrote (RUN/tokens/heldout_prompts.npy and
-    data_manifest.json), so a machine whose Python has another stdlib decodes the committed list's prompts. The
-    run's tokenizer (RUN/tokenizer/tiktoken.model) must be the checkpoint's."""
+    data_manifest.json), so a machine whose Python has another stdlib decodes the committed list's prompts; (prompts,
+    their files, the corpus they came from). The run's tokenizer (RUN/tokenizer/tiktoken.model) must be the
+    checkpoint's."""
     run = args.prompts_from
     arr, man, tok = (os.path.join(run, *p) for p in TOKEN_FILES)
     for path in (arr, man, tok):
@@ -255,21 +267,12 @@ def run_prompts(model, args) -> tuple[np.ndarray, dict]:
     allq = np.load(arr)
     if allq.shape[1] < args.prompt_tokens:
         sys.exit(f"error: --prompts-from: {arr} holds {allq.shape[1]}-token prompts, fewer than --prompt-tokens")
-    prompts = allq[: args.prompts, : args.prompt_tokens]
-    info = {
-        "requested": args.prompts,
-        "used": len(prompts),
+    source = {
         "heldout_files": manifest["num_heldout_files"],
-        "qualifying_files": len(allq),
-        "prompt_tokens": args.prompt_tokens,
-        "files": manifest["heldout_prompt_files"][: len(prompts)],
         "python_version": manifest["python_version"],
         "corpus_file_list_sha256": manifest["file_list_sha256"],
     }
-    return prompts, info
-
-
-TOKEN_FILES = (("tokens", "heldout_prompts.npy"), ("tokens", "data_manifest.json"), ("tokenizer", "tiktoken.model"))
+    return allq, manifest["heldout_prompt_files"], source
 
 
 def read_record(path: str) -> dict:

@@ -236,8 +236,7 @@ class Setup:
         """params with each MoE layer's router bias balanced (`balance_router`), and the record of it."""
         if not self.cfg.n_routed_experts:
             return params, None
-        calibration = TINY_CALIBRATION if self.args.cpu_mesh8 else {}
-        params, record = balance_router(params, self.cfg, self.probe_impls, self.args.seed, **calibration)
+        params, record = balance_router(params, self.cfg, self.probe_impls, self.args.seed, tiny=self.args.cpu_mesh8)
         return params, {"kind": "router", "layers": self.layers, **record}
 
     def tau(self, v: Variant) -> float:
@@ -248,14 +247,12 @@ class Setup:
         return jax.jit(lambda logits: _build_with_visibility(logits, sc, impls))
 
 
-TINY_CALIBRATION = dict(tokens=(2, 64), iters=10)  # tiny shapes on the CPU: a short calibration checks the path
-
-
-def balance_router(params, cfg, probe_impls: ops.Impls, seed: int, tokens=(4, 256), iters=40):
+def balance_router(params, cfg, probe_impls: ops.Impls, seed: int, tiny: bool = False):
     """params with each MoE layer's router bias balanced (routing.balance_bias) over a calibration batch of random
     tokens, as a trained K2.6's is (an unbalanced random router crowds tokens onto few experts and lets a step read
-    less than a real one), and the record of it. probe_impls: the model's Impls with an ExpertProbe; tokens: the
-    calibration batch's (rows, length); iters: sign updates."""
+    less than a real one), and the record of it. probe_impls: the model's Impls with an ExpertProbe. tiny (tiny
+    shapes on the CPU, where only the path is checked): a 2 x 64-token batch and 10 sign updates, not 4 x 256 and 40."""
+    tokens, iters = ((2, 64), 10) if tiny else ((4, 256), 40)
     probe = probe_impls.probe
     ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, tokens).astype(np.int32)
     lengths = np.full(tokens[:1], tokens[1], np.int32)

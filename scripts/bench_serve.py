@@ -116,8 +116,7 @@ def synthetic_engine(args, sargs):
     dtype = jnp.float32 if tiny else jnp.bfloat16
     params, dparams = jax.jit(lambda: (target.init_params(cfg, 0, dtype), drafter_lib.init_params(dcfg, 1, dtype)))()
     probe_impls = dataclasses.replace(ops.Impls.auto(), probe=routing.ExpertProbe(cfg.n_routed_experts))
-    calibration = bench_e2e.TINY_CALIBRATION if tiny else {}
-    params, router = bench_e2e.balance_router(params, cfg, probe_impls, args.seed, **calibration)  # as trained
+    params, router = bench_e2e.balance_router(params, cfg, probe_impls, args.seed, tiny)  # as a trained K2.6's
     print(f"[serve] router balanced: {json.dumps(router)}", file=sys.stderr, flush=True)
     d = dcfg if sargs.method != "ar" else None
     profile = synthetic.fit_profile(args.tau, 8, vocab=cfg.vocab_size)

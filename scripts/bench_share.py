@@ -293,8 +293,7 @@ def main(argv=None) -> int:
         if bench.share.cfg.n_routed_experts:
             probe = routing.ExpertProbe(bench.share.cfg.n_routed_experts)
             probe_impls = dataclasses.replace(bench.impls, probe=probe)
-            calibration = bench_e2e.TINY_CALIBRATION if bench.tiny else {}
-            params, router = bench_e2e.balance_router(params, bench.share.cfg, probe_impls, args.seed, **calibration)
+            params, router = bench_e2e.balance_router(params, bench.share.cfg, probe_impls, args.seed, tiny=bench.tiny)
         print(f"[share] depth {layers}: parameters and router in {time.perf_counter() - start:.1f}s", flush=True)
         record["rows"].append({"kind": "router", "layers": layers, **(router or {})})
         variants = [
