@@ -51,7 +51,7 @@ class Settings:
     min_prompt_len: int = 32
     file_start_frac: float = 0.5  # prompts that are a file's first tokens; the rest are windows inside a file
     new_tokens: int = 128
-    train_prompts: int = 12288  # per temperature (the shipped drafter's; 4096 stopped rising at tau 2.56)
+    train_prompts: int = 12288  # per temperature (the shipped drafter's settings)
     heldout_data_prompts: int = 256  # per temperature, from held-out files (held-out tau)
     gen_batch: int = 4096
     # drafter
