@@ -51,7 +51,7 @@ class Settings:
     min_prompt_len: int = 32
     file_start_frac: float = 0.5  # prompts that are a file's first tokens; the rest are windows inside a file
     new_tokens: int = 128
-    train_prompts: int = 12288  # per temperature (the shipped drafter's settings)
+    train_prompts: int = 65536  # per temperature (the shipped drafter's settings)
     heldout_data_prompts: int = 256  # per temperature, from held-out files (held-out tau)
     gen_batch: int = 4096
     # drafter
@@ -59,7 +59,7 @@ class Settings:
     anchors: int = 64
     gamma: float = 4.0
     d_lr: float = 6e-4
-    d_max_steps: int = 6000
+    d_max_steps: int = 16000
     d_eval_every: int = 400
     patience: int = 3
     min_delta: float = 0.01
