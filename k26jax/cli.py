@@ -138,7 +138,8 @@ def _generate(args) -> int:
         a = s["auto"]
         print(
             f"[k26jax] budget auto: steps per candidate {a['choices']}, measured step ms {a['step_ms']}, "
-            f"drafter calibration gamma {a['calibration_gamma']:.2f}",
+            f"{a['chunk_steps'] or 'trial-length'} steps a dispatch, drafter calibration gamma "
+            f"{a['calibration_gamma']:.2f}",
             file=sys.stderr,
         )
     if args.profile:

@@ -542,8 +542,15 @@ def commit(
 
 def decode_loop(params, dparams, state: DecodeState, **statics) -> DecodeState:
     """All steps in one lax.while_loop, until every sequence is done (statics: those of `step`)."""
+    return decode_steps(params, dparams, state, max_steps(statics["sc"]), **statics)
+
+
+def decode_steps(params, dparams, state: DecodeState, num_steps, **statics) -> DecodeState:
+    """Up to num_steps steps (traced: one program for any count) in one lax.while_loop, fewer when every sequence
+    is done first or the step limit comes."""
     body = functools.partial(step, params, dparams, **statics)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.step < max_steps(statics["sc"])), body, state)
+    end = jnp.minimum(state.step + num_steps, max_steps(statics["sc"]))
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.step < end), body, state)
 
 
 def run_steps(params, dparams, state: DecodeState, num_steps: int, **statics) -> DecodeState:

@@ -16,7 +16,7 @@ from k26jax.api import Model
 
 log = logging.getLogger(__name__)
 
-STREAM_FIELDS = ("emitted", "num_emitted", "done", "step")
+STREAM_FIELDS = ("num_out", "done", "step")
 
 
 @dataclasses.dataclass
@@ -159,27 +159,29 @@ def generate(
     }
     if auto:
         used = [n - m for n, m in zip(policy.counts, counts_before)]
-        stats["auto"] = policy.stats() | {
+        stats["auto"] = dec.stats() | {
             "choices": {autobudget.label(c): n for c, n in zip(policy.candidates, used) if n}
         }
     return Result([out[i, : num_out[i]].tolist() for i in range(len(ids))], stats)
 
 
 def _decode(decode, params, dparams, state, sc, auto, on_tokens, loop: str):
-    """One while_loop program, or Python steps that stream each step's tokens (and feed the budget="auto" policy
-    when `auto` is its AutoDecoder): one small transfer a step, what the last prefill / step appended."""
+    """One while_loop program, or Python steps (budget="auto": chunks of steps, fed to its policy) that stream
+    the tokens each one appended: one small transfer a dispatch."""
     if loop == "while":
         return decode(params, dparams, state)
-    was_done = None
+    was_done, sent = None, np.zeros(state.num_out.shape, np.int64)
     while True:
-        host = jax.device_get({f: getattr(state, f) for f in STREAM_FIELDS + (auto.FIELDS if auto else ())})
-        num_emitted, done = host["num_emitted"], host["done"]
+        fields = {f: getattr(state, f) for f in STREAM_FIELDS + (("out",) if on_tokens else ())}
+        host = jax.device_get(fields | (auto.fields(state) if auto else {}))
+        num_out, done = host["num_out"], host["done"]
         if auto and was_done is not None:
             auto.observe(host, was_done)
         was_done = done
         if on_tokens is not None:
-            for i in np.nonzero(num_emitted)[0]:
-                on_tokens(int(i), host["emitted"][i, : num_emitted[i]].tolist())
+            for i in np.nonzero(num_out > sent)[0]:
+                on_tokens(int(i), host["out"][i, sent[i] : num_out[i]].tolist())
+        sent = num_out.astype(np.int64)
         if done.all() or host["step"] >= engine.max_steps(sc):
             return state
         state = decode(params, dparams, state)

@@ -136,23 +136,25 @@ def test_a_step_reports_the_survival_budget_estimates_from_its_draft():
 
 def test_auto_decoding_emits_ar_tokens_and_reports_its_choices():
     """float32 greedy: whatever candidates the policy runs (three here, the smallest and the largest default
-    budgets among them, so the test compiles six steps), the tokens are AR's; the second call reuses the compiled
-    steps and the measured times."""
+    budgets among them: three chunk programs), the tokens are AR's, streamed as they come; the second call reuses
+    the compiled chunks and the measured times."""
     cands = autobudget.parse_candidates("chain,ddtree8,ddtree128")
     jax.config.update("jax_default_matmul_precision", "highest")
     try:
         model = k26jax.load(TINY, dtype="float32")
         prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
         ar = generate(model, prompts, max_new_tokens=30, method="ar")
-        first = generate(model, prompts, max_new_tokens=30, budget="auto", auto_candidates=cands)
+        streamed = [[], []]
+        first = generate(model, prompts, max_new_tokens=30, budget="auto", auto_candidates=cands,
+                         on_tokens=lambda i, ids: streamed[i].extend(ids))  # fmt: skip
         again = generate(model, prompts, max_new_tokens=30, budget="auto", auto_candidates=cands)
     finally:
         jax.config.update("jax_default_matmul_precision", None)
-    assert first.tokens == ar.tokens == again.tokens
+    assert first.tokens == ar.tokens == again.tokens == streamed  # chunks stream each token once, in order
     a = first.stats["auto"]
     assert first.stats["budget"] == "auto" and sum(a["choices"].values()) == first.stats["steps"]
     assert all(a["choices"].get(autobudget.label(c), 0) >= 2 for c in cands)  # each tried twice
-    assert set(a["step_ms"]) == {autobudget.label(c) for c in cands}
+    assert set(a["step_ms"]) == {autobudget.label(c) for c in cands} and a["host_ms"] > 0
     assert sum(again.stats["auto"]["choices"].values()) == again.stats["steps"]
     assert again.stats["compile_s"] < first.stats["compile_s"]
 
@@ -313,3 +315,59 @@ def test_candidates_parse_by_label_and_refuse_by_name():
     ):
         with pytest.raises(ValueError, match=said):
             autobudget.parse_candidates(bad)
+
+
+def test_a_chunk_is_its_estimating_step_then_stale_steps_as_single_steps_run_them():
+    """decode_chunk (generate's auto dispatch) equals its candidate's estimating step and then its stale steps
+    run one at a time: the same tokens, accept lengths and survival; its head is the first step's."""
+    model = k26jax.load(TINY, dtype="float32")
+    sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=24)
+    auto = autobudget.ChunkedAutoDecoder(model.cfg, model.drafter_cfg, sc, model.impls, CANDS)
+    est, stale = auto.decoders[1]
+    args = model.params, model.drafter_params
+    ids = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
+    state = est.prefill(*args, ids, np.array([12, 9]), jax.random.key(0), max_len=64)
+    one = est.step(*args, jax.tree.map(lambda x: x.copy(), state))  # steps donate their state
+    head_want = jax.device_get({"step": 0, "accept": one.num_emitted, "done": one.done})
+    for _ in range(3):
+        one = stale.step(*args, one)
+    got, head = auto.chunks[1](*args, state, np.int32(4))
+    assert int(got.step) == int(one.step) == 4
+    for f in ("out", "num_out", "accept_lens", "done", "root"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, f)), np.asarray(getattr(one, f)), err_msg=f)
+    np.testing.assert_allclose(np.asarray(got.survival), np.asarray(one.survival), rtol=1e-6)
+    for k, v in head_want.items():
+        np.testing.assert_array_equal(np.asarray(head[k]), v, err_msg=k)
+
+
+def test_a_chunk_is_as_long_as_keeps_the_host_under_its_share_of_it():
+    model = k26jax.load(TINY, dtype="float32")
+    sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=8)
+    auto = autobudget.ChunkedAutoDecoder(model.cfg, model.drafter_cfg, sc, model.impls, CANDS)
+    auto.policy, auto.choice = autobudget.Policy(CANDS), 1
+    assert auto.chunk_steps() == autobudget.TRIAL_CHUNK  # nothing measured yet
+    auto.policy.seconds[1], auto.host_s = 0.001, 0.0008
+    assert auto.chunk_steps() == 40  # 0.8 ms of host time is 2% of 40 steps of 1 ms
+    auto.host_s = 1.0
+    assert auto.chunk_steps() == autobudget.MAX_CHUNK
+    auto.host_s = 1e-6
+    assert auto.chunk_steps() == 1
+    auto.policy.trying = 0  # a candidate under trial runs short chunks
+    assert auto.chunk_steps() == autobudget.TRIAL_CHUNK
+
+
+def test_chunks_of_steps_count_as_steps_and_each_explore_period_retries_once():
+    """observe(steps=n): a chunk counts n steps; when chunks jump past an explore_every boundary (not onto its
+    last step, as single steps do), the stalest candidate is still retried, once in that period."""
+    pol = autobudget.Policy(CANDS, explore_every=30, refit_every=0)
+    for i in (0, 0, 0, 1, 1, 1, 2, 2, 2):
+        _observe(pol, i, 1.0)
+    zero, starts = np.zeros((1, 3, 7)), []
+    for _ in range(12):  # 9 + 12 chunks of 5 steps: periods 1 and 2 begin inside the chunks at 29 and 59
+        before = pol.explored
+        i = pol.choose(zero, np.ones(1))
+        if pol.explored > before:
+            starts.append((pol.steps, i))
+        pol.observe(i, 1.0, zero, np.ones(1, int), np.zeros(1, bool), steps=5)
+    assert pol.steps == 69 and sum(pol.counts) == 69
+    assert starts == [(29, 0), (59, 1)]  # each time the least recently timed candidate
