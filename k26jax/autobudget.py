@@ -397,19 +397,19 @@ class ChunkedAutoDecoder(AutoDecoder):
             state, _ = exe(params, dparams, state, np.int32(1))
         return state
 
-    def chunk_steps(self) -> int:
-        """Steps of the next chunk: TRIAL_CHUNK under trial or before the host's time is known, else the fewest
-        that keep it under CHUNK_HOST_SHARE of the chunk."""
+    def chunk_steps(self) -> int | None:
+        """Steps of the next chunk: the fewest that keep the host's time under CHUNK_HOST_SHARE of the chunk; None
+        under trial or before the host's time and the candidate's step are known (it runs TRIAL_CHUNK)."""
         t = self.policy.seconds[self.choice]
         if self.policy.trying is not None or self.host_s is None or t is None:
-            return TRIAL_CHUNK
+            return None
         return int(np.clip(np.ceil(self.host_s / (CHUNK_HOST_SHARE * t)), 1, MAX_CHUNK))
 
     def step(self, params, dparams, state):
         if self.policy is None:
             raise RuntimeError("ChunkedAutoDecoder.step: call prepare(params, dparams, state) first")
         n = self.chunk_steps()
-        state, self._head = self.executables[self.choice](params, dparams, state, np.int32(n))
+        state, self._head = self.executables[self.choice](params, dparams, state, np.int32(n or TRIAL_CHUNK))
         now = time.perf_counter()
         if self._fetched is not None:
             self.host_s = _ema(self.host_s, now - self._fetched)
@@ -425,7 +425,7 @@ class ChunkedAutoDecoder(AutoDecoder):
         choice, n, dispatched = self._dispatched
         self._fetched = time.perf_counter()
         ran = max(int(host["step"]) - int(host["head_step"]), 1)
-        if self.policy.trying is None and n > TRIAL_CHUNK:
+        if n is not None:  # a sized chunk, not a trial's
             self._ran = (self._ran + [ran])[-256:]
         valid = ~np.asarray(was_done_C, bool) & ~np.asarray(host["head_done"], bool)
         seconds = (self._fetched - dispatched) / ran

@@ -136,10 +136,10 @@ def _generate(args) -> int:
     )
     if "auto" in s:
         a = s["auto"]
+        chunks = f"{a['chunk_steps']} steps a dispatch" if a["chunk_steps"] else "trial chunks only"
         print(
-            f"[k26jax] budget auto: steps per candidate {a['choices']}, measured step ms {a['step_ms']}, "
-            f"{a['chunk_steps'] or 'trial-length'} steps a dispatch, drafter calibration gamma "
-            f"{a['calibration_gamma']:.2f}",
+            f"[k26jax] budget auto: steps per candidate {a['choices']}, measured step ms {a['step_ms']}, {chunks}, "
+            f"drafter calibration gamma {a['calibration_gamma']:.2f}",
             file=sys.stderr,
         )
     if args.profile:

@@ -118,6 +118,20 @@ def test_the_readme_command_speculates_on_the_embedded_pair():
     assert tau >= 1.5 and r.stdout.strip(), r.stderr
 
 
+def test_budget_auto_prints_greedy_text_and_its_chunks():
+    """--budget auto as a user runs it: the streamed text is AR's (every candidate is lossless; float32, so no bf16
+    near-tie decides), and stderr says what auto chose and how many steps it ran a dispatch."""
+    args = ("generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "40", "--dtype", "float32")
+    ar = run_cli(*args, "--method", "ar")
+    auto = run_cli(*args, "--budget", "auto", "--auto-candidates", "chain,ddtree32")
+    assert ar.returncode == 0 and auto.returncode == 0, ar.stderr + auto.stderr
+    assert auto.stdout == ar.stdout and auto.stdout.strip()
+    said = re.search(
+        r"budget auto: steps per candidate \{(.*)\}, measured step ms .*(steps a dispatch|trial)", auto.stderr
+    )
+    assert said and "chain" in said.group(1) and "ddtree32" in said.group(1), auto.stderr
+
+
 def test_profile_writes_a_trace_and_compiles_persist(tmp_path):
     cache = tmp_path / "cache"
     env = dict(os.environ, JAX_PLATFORMS="cpu", K26JAX_CACHE_DIR=str(cache))
