@@ -210,8 +210,8 @@ class Policy:
             self.timed_at[choice] = self.steps
         elif same and estimated and self.timed[choice] >= 2:
             self.estimate_s = max(0.0, _ema(self.estimate_s, seconds - self.seconds[choice]))
-        elif not same and not estimated and self.timed[choice] >= 2:
-            self.switch_s = max(0.0, _ema(self.switch_s, seconds - self.seconds[choice]))
+        elif not same and not estimated and self.timed[choice] >= 2:  # a switch's extra, once for its chunk
+            self.switch_s = max(0.0, _ema(self.switch_s, (seconds - self.seconds[choice]) * steps))
         self.counts[choice] += steps
         self.last, self.last_estimated = choice, estimated
         self.steps += steps

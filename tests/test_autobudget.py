@@ -357,8 +357,9 @@ def test_a_chunk_is_as_long_as_keeps_the_host_under_its_share_of_it():
 
 
 def test_chunks_of_steps_count_as_steps_and_each_explore_period_retries_once():
-    """observe(steps=n): a chunk counts n steps; when chunks jump past an explore_every boundary (not onto its
-    last step, as single steps do), the stalest candidate is still retried, once in that period."""
+    """observe(steps=n): a chunk counts n steps, and a switch chunk's extra a step counts n times (once a switch);
+    when chunks jump past an explore_every boundary (not onto its last step, as single steps do), the stalest
+    candidate is still retried, once in that period."""
     pol = autobudget.Policy(CANDS, explore_every=30, refit_every=0)
     for i in (0, 0, 0, 1, 1, 1, 2, 2, 2):
         _observe(pol, i, 1.0)
@@ -371,3 +372,6 @@ def test_chunks_of_steps_count_as_steps_and_each_explore_period_retries_once():
         pol.observe(i, 1.0, zero, np.ones(1, int), np.zeros(1, bool), steps=5)
     assert pol.steps == 69 and sum(pol.counts) == 69
     assert starts == [(29, 0), (59, 1)]  # each time the least recently timed candidate
+    other, old = (pol.last + 1) % len(CANDS), pol.switch_s
+    pol.observe(other, pol.seconds[other] + 0.2, zero, np.ones(1, int), np.zeros(1, bool), steps=5)
+    assert pol.switch_s == pytest.approx((1 - autobudget.EMA) * old + autobudget.EMA * 1.0)  # 0.2 s x 5 steps
