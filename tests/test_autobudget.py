@@ -322,7 +322,7 @@ def test_a_chunk_is_its_estimating_step_then_stale_steps_as_single_steps_run_the
     run one at a time: the same tokens, accept lengths and survival; its head is the first step's."""
     model = k26jax.load(TINY, dtype="float32")
     sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=24)
-    auto = autobudget.ChunkedAutoDecoder(model.cfg, model.drafter_cfg, sc, model.impls, CANDS)
+    auto = autobudget.ChunkedAutoDecoder(model.cfg, model.drafter_cfg, sc, model.impls, CANDS[:2])
     est, stale = auto.decoders[1]
     args = model.params, model.drafter_params
     ids = np.arange(1, 25, dtype=np.int32).reshape(2, 12)

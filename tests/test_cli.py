@@ -118,18 +118,16 @@ def test_the_readme_command_speculates_on_the_embedded_pair():
     assert tau >= 1.5 and r.stdout.strip(), r.stderr
 
 
-def test_budget_auto_prints_greedy_text_and_its_chunks():
-    """--budget auto as a user runs it: the streamed text is AR's (every candidate is lossless; float32, so no bf16
-    near-tie decides), and stderr says what auto chose and how many steps it ran a dispatch."""
-    args = ("generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "40", "--dtype", "float32")
-    ar = run_cli(*args, "--method", "ar")
-    auto = run_cli(*args, "--budget", "auto", "--auto-candidates", "chain,ddtree32")
-    assert ar.returncode == 0 and auto.returncode == 0, ar.stderr + auto.stderr
-    assert auto.stdout == ar.stdout and auto.stdout.strip()
+def test_budget_auto_decodes_and_reports_its_choices_and_chunks():
+    """--budget auto as a user runs it: text out, and stderr says what auto chose and how many steps it ran a
+    dispatch (that its tokens are AR's is tests/test_autobudget.py's, in process)."""
+    r = run_cli("generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "16", "--budget", "auto",
+                "--auto-candidates", "chain,ddtree32")  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
     said = re.search(
-        r"budget auto: steps per candidate \{(.*)\}, measured step ms .*(steps a dispatch|trial)", auto.stderr
+        r"budget auto: steps per candidate \{(.*)\}, measured step ms .*(steps a dispatch|trial)", r.stderr
     )
-    assert said and "chain" in said.group(1) and "ddtree32" in said.group(1), auto.stderr
+    assert said and "chain" in said.group(1) and "ddtree32" in said.group(1), r.stderr
 
 
 def test_profile_writes_a_trace_and_compiles_persist(tmp_path):
