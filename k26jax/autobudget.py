@@ -365,7 +365,6 @@ class ChunkedAutoDecoder(AutoDecoder):
 
     def __init__(self, cfg, dcfg, sc: engine.StepConfig, impls, candidates=CANDIDATES, **kw):
         super().__init__(cfg, dcfg, sc, impls, candidates, estimate_every=2, **kw)  # (estimating, stale) pairs
-        self.estimate_every = 1  # every chunk estimates (its first step)
         self.chunks = [
             engine.jit(
                 functools.partial(decode_chunk, first=est._statics, rest=stale._statics),
