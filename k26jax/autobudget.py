@@ -408,11 +408,11 @@ class ChunkedAutoDecoder(AutoDecoder):
         if self.policy is None:
             raise RuntimeError("ChunkedAutoDecoder.step: call prepare(params, dparams, state) first")
         n = self.chunk_steps()
-        state, self._head = self.executables[self.choice](params, dparams, state, np.int32(n or TRIAL_CHUNK))
-        now = time.perf_counter()
+        started = time.perf_counter()  # before the dispatch: on a GPU it returns only near the chunk's end
         if self._fetched is not None:
-            self.host_s = _ema(self.host_s, now - self._fetched)
-        self._dispatched = (self.choice, n, now)
+            self.host_s = _ema(self.host_s, started - self._fetched)
+        self._dispatched = (self.choice, n, started)
+        state, self._head = self.executables[self.choice](params, dparams, state, np.int32(n or TRIAL_CHUNK))
         return state
 
     def fields(self, state) -> dict:

@@ -143,12 +143,14 @@ def git_commit() -> str:
 
 def record_header(commit=None, device=None, **fields) -> dict:
     """A record's first fields: device, date, commit (default `git_commit()`; a device's copy of the tree may carry
-    stale git metadata, so scripts take --commit) and the exact command; then `fields`."""
+    stale git metadata, so scripts take --commit) and the exact command, XLA_FLAGS included; then `fields`."""
+    flags = os.environ.get("XLA_FLAGS")
     return {
         "device": device or f"{jax.device_count()} x {jax.devices()[0].device_kind}",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": commit or git_commit(),
         "command": " ".join(["python", *sys.argv]),
+        **({"xla_flags": flags} if flags else {}),
         **fields,
     }
 

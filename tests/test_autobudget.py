@@ -3,6 +3,7 @@ k26jax.budget's estimate of the same draft, and generate's auto decoding against
 
 import dataclasses
 import os
+import time
 
 import jax
 import numpy as np
@@ -354,6 +355,30 @@ def test_a_chunk_is_as_long_as_keeps_the_host_under_its_share_of_it():
     assert auto.chunk_steps() == 1
     auto.policy.trying = 0  # a candidate under trial runs short chunks
     assert auto.chunk_steps() is None
+
+
+def test_a_chunk_is_timed_from_before_its_dispatch_so_one_that_blocks_it_counts_whole():
+    """On a GPU a chunk's while_loop reads its predicate on the host each iteration, so the dispatch returns only
+    near the chunk's end: its time runs from before the dispatch to its result on the host (a chunk that blocks
+    10 ms a step reads 10 ms a step, not the little left after the call returned)."""
+    model = k26jax.load(TINY, dtype="float32")
+    sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=8)
+    auto = autobudget.ChunkedAutoDecoder(model.cfg, model.drafter_cfg, sc, model.impls, CANDS)
+    auto.policy, auto.choice = autobudget.Policy(CANDS), 0
+
+    def blocking(params, dparams, state, num_steps):
+        time.sleep(0.01 * int(num_steps))
+        head = {"step": state.step, "accept": np.ones(1, np.int32), "done": np.zeros(1, bool)}
+        return dataclasses.replace(state, step=state.step + int(num_steps)), head
+
+    auto.executables = [blocking] * len(CANDS)
+    state = dataclasses.make_dataclass("State", ["step", "survival", "done"])(
+        0, np.zeros((1, len(CANDS), 7)), np.zeros(1, bool)
+    )
+    while auto.policy.timed[0] < 2:
+        state = auto.step(None, None, state)
+        auto.observe(auto.fields(state), np.zeros(1, bool))
+    assert 0.01 <= auto.policy.seconds[0] < 0.05
 
 
 def test_chunks_of_steps_count_as_steps_and_each_explore_period_retries_once():
