@@ -17,8 +17,9 @@ Per run it records, from `Result.stats["accept_lens"]` (tokens emitted per targe
   greedy_vs_ar            at T = 0: prompts whose tokens equal AR's exactly, each one's first divergence and
                           the target's float32 top-1/top-2 logit margin there (a near-tie, or a real mismatch)
 --speed (GPU): tokens/s of AR, chain and DDTree (--speed-budgets) at --concurrency C = 1, 4, 8 with the real
-acceptance, at T = 0: medians over --repeats decodes after a warm-up (compile excluded; decode only, the
-prefill's seconds recorded beside), step time = decode seconds / steps, speed-up over AR measured in the same run.
+acceptance, at T = 0: a decode is the first max(C, --speed-prompts) held-out prompts in batches of C (one prompt's
+tau is noise); medians over --repeats decodes after a warm-up (compile excluded; decode only, the prefill's seconds
+recorded beside), step time = decode seconds / steps, speed-up over AR measured in the same run.
 The fixed methods decode in one lax.while_loop; auto needs the host between steps, so it runs the Python loop
 (each row says which): auto over the best fixed budget is its end-to-end gain with its host cost included.
 Both parts live in one JSON file (--out) as the sections "acceptance" and "speed"; a run replaces its own section.
@@ -55,6 +56,7 @@ DEFAULT_CKPT = "checkpoints/mini"
 DEFAULT_OUT = "bench/results/acceptance_mini.json"
 BUDGETS = (2, 4, 8, 16, 32, 64, 128, 256)
 NGRAM = 4
+SUMMED = ("decode_s", "prefill_s", "compile_s", "steps", "new_tokens")  # decode's stats summed over its batches
 START = time.time()  # --deadline-min counts from here
 
 
@@ -94,10 +96,10 @@ def depth_of(model, method: str) -> int:
 
 
 def decode(model, prompts: np.ndarray, *, method, budget, temperature, new_tokens, batch, seed, loop=None):
-    """(tokens per prompt, active accept lengths per prompt, the last batch's stats) of `generate` over `prompts`
-    in batches of `batch` (the last one padded by repeating its last prompt, so one program serves all; a batch
-    starting at prompt s uses seed + s)."""
-    tokens, lens, stats = [], [], {}
+    """(tokens per prompt, active accept lengths per prompt, stats) of `generate` over `prompts` in batches of
+    `batch` (the last one padded by repeating its last prompt, so one program serves all; a batch starting at
+    prompt s uses seed + s). stats: the last batch's, with seconds, steps and tokens summed over the batches."""
+    tokens, lens, stats, total = [], [], {}, dict.fromkeys(SUMMED, 0)
     kw = {} if loop is None else {"loop": loop}
     for start in range(0, len(prompts), batch):
         rows = prompts[start : start + batch].tolist()
@@ -117,7 +119,8 @@ def decode(model, prompts: np.ndarray, *, method, budget, temperature, new_token
         tokens += res.tokens[:real]
         lens += [acc[:, c][acc[:, c] > 0].tolist() for c in range(real)]
         stats = res.stats
-    return tokens, lens, stats
+        total = {k: total[k] + stats[k] for k in SUMMED}
+    return tokens, lens, stats | total | {"tokens_per_s": total["new_tokens"] / max(total["decode_s"], 1e-9)}
 
 
 def run_specs(budgets, temperatures, chain_budget: int, auto: bool = True):
@@ -360,6 +363,7 @@ def measure_speed(model, prompts, args, prompt_info) -> dict:
         auto=not args.no_auto,
         temperature=0.0,
         repeats=args.repeats,
+        prompts_a_decode=args.speed_prompts,
         loop="while (auto: python)",
     )
     section = open_section(args, "speed", settings)
@@ -375,7 +379,7 @@ def measure_speed(model, prompts, args, prompt_info) -> dict:
             if time.time() - START > 60 * args.deadline_min:
                 print(f"deadline of {args.deadline_min} min reached: rerun with --resume to continue", flush=True)
                 return section
-            section["rows"].append(speed_row(model, prompts[:C], C, method, budget, args, section["rows"]))
+            section["rows"].append(speed_row(model, prompts, C, method, budget, args, section["rows"]))
             save_section(args, "speed", section)
             r = section["rows"][-1]
             print(
@@ -389,15 +393,15 @@ def measure_speed(model, prompts, args, prompt_info) -> dict:
 
 
 def speed_row(model, prompts, C, method, budget, args, rows) -> dict:
-    """Medians over --repeats decodes of the C prompts (after one warm-up decode that compiles); the speed-up is
-    over the AR row of the same C in `rows` (this run's, measured first)."""
+    """Medians over --repeats decodes of the first max(C, --speed-prompts) prompts in batches of C (after one
+    warm-up decode that compiles); the speed-up is over the AR row of the same C in `rows` (this run's, first)."""
 
     loop = "python" if budget == "auto" else "while"
 
     def once():
         return decode(
             model,
-            prompts,
+            prompts[: max(C, args.speed_prompts) // C * C],
             method=method,
             budget=budget_arg(budget),
             temperature=0.0,
@@ -423,7 +427,10 @@ def speed_row(model, prompts, C, method, budget, args, rows) -> dict:
         "steps": stats[0]["steps"],
         "prefill_ms": 1e3 * statistics.median(s["prefill_s"] for s in stats),
         "compile_s": round(warm["compile_s"] + warm["prefill_s"], 2),
+        "prompts": len(runs[0][1]),
     }
+    if budget == "auto":
+        row["auto"] = stats[-1]["auto"]  # the policy's choices, measured step times and calibration so far
     ar = [r["tokens_per_s"] for r in rows if (r["C"], r["method"]) == (C, "ar")]
     ar_tps = row["tokens_per_s"] if method == "ar" else (ar[-1] if ar else None)
     row["speedup_over_ar"] = row["tokens_per_s"] / ar_tps if ar_tps else None
@@ -497,7 +504,8 @@ def markdown(record: dict) -> str:
             "",
             f"{spd['device']}, commit {spd['commit']}, {spd['date']}"
             + ("" if spd.get("complete") else " (incomplete run)")
-            + f". The first C held-out prompts x {spd['settings']['new_tokens']} new tokens; decode tokens/s "
+            + f". The first {spd['settings'].get('prompts_a_decode', 'C')} held-out prompts (at least C) in batches "
+            f"of C x {spd['settings']['new_tokens']} new tokens; decode tokens/s "
             f"(prefill and compile excluded), median of {spd['settings']['repeats']}; step = decode time / steps; "
             "speed-up over AR at the same C, measured in the same run.",
             "",
@@ -529,6 +537,9 @@ def parse_args(argv=None):
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8], help="--speed: C values")
     parser.add_argument("--speed-budgets", type=int, nargs="+", default=[16, 32, 64], help="--speed: DDTree B")
     parser.add_argument("--repeats", type=int, default=3, help="--speed: timed decodes per configuration")
+    parser.add_argument(
+        "--speed-prompts", type=int, default=8, help="--speed: prompts a decode (in batches of C; at least C)"
+    )
     parser.add_argument("--no-auto", action="store_true", help='leave out budget="auto"')
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the model's dtype")
     parser.add_argument("--deadline-min", type=float, default=float("inf"), help="start no configuration after")

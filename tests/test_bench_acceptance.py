@@ -56,3 +56,26 @@ def test_prompts_from_names_a_missing_file_and_a_foreign_tokenizer(import_script
     os.remove(run / "tokens" / "heldout_prompts.npy")
     with pytest.raises(SystemExit, match="heldout_prompts.npy is missing"):
         bench.load_prompts(model, bench.parse_args(["--prompts-from", str(run)]))
+
+
+@pytest.mark.parametrize("C,batches", [(1, 8), (4, 2), (8, 1)])
+def test_speed_decodes_several_prompts_in_batches_of_c_and_sums_their_seconds(import_script, monkeypatch, C, batches):
+    """--speed: a decode is the first max(C, --speed-prompts) prompts in batches of C (one prompt's tau at C = 1 is
+    noise), its tokens a second summed over the batches; an auto row keeps the policy's stats."""
+    bench = import_script("bench_acceptance")
+    sizes = []
+
+    def generate(model, rows, **kw):
+        sizes.append(len(rows))
+        stats = dict(decode_s=0.5, prefill_s=0.1, compile_s=0.0, steps=2, new_tokens=3 * len(rows), tokens_per_s=1.0)
+        stats.update(accept_lens=np.full((2, len(rows)), 2), auto={"choices": {"chain": 2}})
+        return types.SimpleNamespace(tokens=[[1, 2, 3]] * len(rows), stats=stats)
+
+    monkeypatch.setattr(bench.k26jax, "generate", generate)
+    model = types.SimpleNamespace(drafter_cfg=types.SimpleNamespace(block_size=8))
+    args = bench.parse_args(["--speed", "--speed-prompts", "8", "--repeats", "2"])
+    row = bench.speed_row(model, np.zeros((12, 4), np.int32), C, "ddtree", "auto", args, [])
+    assert sizes == [C] * batches * 3  # a warm-up decode and two timed ones
+    assert row["prompts"] == 8 and row["steps"] == 2 * batches and row["tau"] == 2.0
+    assert row["tokens_per_s"] == pytest.approx(3 * 8 / (0.5 * batches))
+    assert row["auto"] == {"choices": {"chain": 2}}
