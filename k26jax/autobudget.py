@@ -24,7 +24,10 @@ and dispatch (about 0.8 ms on an H100 host) were half of each single step.
 
 Calibration: each estimating step's predicted S_a of the tree it verified is paired with whether that slot's
 accept length reached a + 1; every `refit_every` estimates `budget.calibrate` refits g(S) = S^gamma over the pairs
-so far (gamma > 1: the drafter is overconfident), and E[tau] = 1 + sum_a g(S_a).
+so far (gamma > 1: the drafter is overconfident), and E[tau] = 1 + sum_a g(S_a). One g serves every candidate, but
+a drafter can misjudge a tree's alternatives apart from its top-1 path (the mini pair's underrates its trees), so
+each candidate's E[tau] is then scaled by what its own steps realised over what they were chosen on
+(`Policy.corrections`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ MAX_PAIRS = 1 << 14  # calibration pairs kept (the newest): a refit over them is
 TRIAL = 2  # timed steps a candidate runs when it is tried
 MEAN_EMA = 0.05  # weight of the newest estimate in the running E[tau] statistics (1/n before 1/MEAN_EMA of them)
 PREDICT_AFTER = 8  # estimates seen before rho is estimated (until then Policy.rho_prior)
+CORRECTION_PRIOR = 8  # steps' weight of the prior "the estimate is right" in a candidate's tau correction
 ESTIMATE_EVERY = 8  # one step in this many builds the estimate (amortised cost ~0.6% at C = 1, ~1% at C = 8)
 CHUNK_HOST_SHARE = 0.02  # ChunkedAutoDecoder: the host's time between chunks, at most this share of a chunk
 MAX_CHUNK = 64  # steps a chunk runs at most (its estimate is that stale by its end)
@@ -113,6 +117,14 @@ class Policy:
         self.mean, self.prev, self.cov, self.var, self.seen = None, None, 0.0, 0.0, 0  # `_track`
         self.chosen_tau = None  # per-slot E[tau] of each candidate when the next step was chosen
         self.tau_sums = np.zeros((n, 3))  # per candidate run: steps, sum of chosen_tau, sum of realised accept
+
+    def corrections(self) -> np.ndarray:
+        """Per candidate, the accept length its steps realised over the E[tau] they were chosen on [nB], shrunk
+        toward 1 by CORRECTION_PRIOR steps: the one calibration g cannot make, since a drafter can misjudge a
+        tree's alternatives (which a tree's survival sums) apart from its top-1 path (which a chain's is)."""
+        n, chosen, realised = self.tau_sums.T
+        mean = np.where(n > 0, chosen / np.maximum(n, 1), 1.0)
+        return (realised + CORRECTION_PRIOR * mean) / (chosen + CORRECTION_PRIOR * mean)
 
     def taus(self, survival_CnBL) -> np.ndarray:
         """Calibrated E[tau] [C, nB] from the step's survival."""
@@ -188,7 +200,8 @@ class Policy:
             self.trying = untimed[0] if untimed else int(np.argmin(self.timed_at))
             self.trial_until = self.timed[self.trying] + TRIAL
             return self.trying
-        tokens, seconds = self.chosen_tau * active.sum(), np.asarray(self.seconds, np.float64)
+        tokens = self.chosen_tau * self.corrections() * active.sum()
+        seconds = np.asarray(self.seconds, np.float64)
         best = budget.choose_budget_host(tokens[None], seconds)
         if self.last is None or best == self.last:
             return best
@@ -240,6 +253,7 @@ class Policy:
             # per candidate, over the steps it ran: the E[tau] it was chosen on against the accept length it got
             "tau_chosen_on": {label(c): round(t[1] / t[0], 3) for c, t in zip(self.candidates, self.tau_sums) if t[0]},
             "tau_realised": {label(c): round(t[2] / t[0], 3) for c, t in zip(self.candidates, self.tau_sums) if t[0]},
+            "tau_correction": {label(c): round(float(k), 3) for c, k in zip(self.candidates, self.corrections())},
             "calibration_gamma": self.gamma,
         }
 

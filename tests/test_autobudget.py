@@ -400,3 +400,24 @@ def test_chunks_of_steps_count_as_steps_and_each_explore_period_retries_once():
     other, old = (pol.last + 1) % len(CANDS), pol.switch_s
     pol.observe(other, pol.seconds[other] + 0.2, zero, np.ones(1, int), np.zeros(1, bool), steps=5)
     assert pol.switch_s == pytest.approx((1 - autobudget.EMA) * old + autobudget.EMA * 1.0)  # 0.2 s x 5 steps
+
+
+def test_a_candidate_whose_steps_realise_more_than_its_estimates_is_corrected_up():
+    """A drafter that underrates its trees: the tree's estimates say 3 tokens for 2x a chain's time, against the
+    chain's 2, so it loses on estimates; its steps realise 6. Each candidate's correction (realised over estimated,
+    shrunk toward 1 by CORRECTION_PRIOR steps) makes the tree the choice, and the stats say by how much."""
+    cands = (("chain", 7), ("ddtree", 32))
+    pol = autobudget.Policy(cands, explore_every=0, refit_every=0)
+    s = np.zeros((1, 2, 7))
+    s[0, 0, :1], s[0, 1, :2] = 1.0, 1.0  # E[tau]: chain 2, tree 3
+    realised = {0: 2, 1: 6}
+    for _ in range(6):  # the trials: each candidate's switch step and two timed ones
+        i = pol.choose(s, np.ones(1))
+        pol.observe(i, 0.01 * (i + 1), s, np.array([realised[i]]), np.ones(1, bool))
+    assert pol.choose(s, np.ones(1)) == 0  # 3 x 1.27 / 0.02 < 2 / 0.01: not enough evidence yet
+    for _ in range(20):
+        pol.observe(1, 0.02, s, np.array([6]), np.ones(1, bool))
+    k = pol.corrections()
+    assert k[0] == pytest.approx(1.0) and k[1] == pytest.approx((23 * 6 + 8 * 3) / (23 * 3 + 8 * 3))
+    assert pol.choose(s, np.ones(1)) == 1
+    assert pol.stats()["tau_correction"] == {"chain": 1.0, "ddtree32": round(float(k[1]), 3)}
