@@ -8,6 +8,7 @@ sharded server is tests/test_distributed.py's, on a (2, 4) mesh of two processes
 is < 1e-4).
 """
 
+import asyncio
 import concurrent.futures
 import os
 import re
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -24,6 +26,7 @@ import pytest
 
 import k26jax
 from k26jax.generation import generate
+from k26jax.serve.app import Mailbox
 from k26jax.serve.scheduler import FAULT_ENV
 from k26jax.serve.text import TextStream
 from k26jax.tokenizer import StreamDecoder
@@ -500,3 +503,24 @@ def test_sigterm_drains_the_requests_in_flight_and_exits(ar_server):
     assert ar_server.proc.wait(timeout=40) == 0
     assert time.monotonic() - start < 35
     assert "server stopped" in open(ar_server.log_path).read()
+
+
+def test_the_mailbox_hands_a_batch_of_posts_to_the_loop_in_order_in_one_wake_up():
+    """The engine thread's posts reach each request's queue in order; posts made before the loop runs share one
+    wake-up; once the loop is closed a post raises (the scheduler then cancels that request)."""
+    loop = asyncio.new_event_loop()
+    wakes, call = [], loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: wakes.append(a) or call(*a)
+    mailbox, queues = Mailbox(loop), (asyncio.Queue(), asyncio.Queue())
+    engine = threading.Thread(target=lambda: [mailbox.post(queues[i % 2], i) for i in range(10)])
+    engine.start()
+    engine.join()
+    loop.run_until_complete(asyncio.sleep(0))
+    assert [[q.get_nowait() for _ in range(q.qsize())] for q in queues] == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    assert len(wakes) == 1
+    mailbox.post(queues[0], 10)  # after the hand-over: a wake-up of its own
+    loop.run_until_complete(asyncio.sleep(0))
+    assert queues[0].get_nowait() == 10 and len(wakes) == 2
+    loop.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        mailbox.post(queues[0], 11)
