@@ -48,7 +48,7 @@ MAX_PAIRS = 1 << 14  # calibration pairs kept (the newest): a refit over them is
 TRIAL = 2  # timed steps a candidate runs when it is tried
 MEAN_EMA = 0.05  # weight of the newest estimate in the running E[tau] statistics (1/n before 1/MEAN_EMA of them)
 PREDICT_AFTER = 8  # estimates seen before rho is estimated (until then Policy.rho_prior)
-CORRECTION_PRIOR = 8  # steps' weight of the prior "the estimate is right" in a candidate's tau correction
+CORRECTION_PRIOR = 32  # steps' weight of the prior "the estimate is right" in a candidate's tau correction
 ESTIMATE_EVERY = 8  # one step in this many builds the estimate (amortised cost ~0.6% at C = 1, ~1% at C = 8)
 CHUNK_HOST_SHARE = 0.02  # ChunkedAutoDecoder: the host's time between chunks, at most this share of a chunk
 MAX_CHUNK = 64  # steps a chunk runs at most (its estimate is that stale by its end)
@@ -209,11 +209,14 @@ class Policy:
         repaid = h * tokens[best] / (h * seconds[best] + self.switch_s) > tokens[self.last] / seconds[self.last]
         return best if repaid else self.last
 
-    def observe(self, choice: int, seconds: float, survival_CnBL, accept_C, valid_C, steps: int = 1) -> None:
+    def observe(
+        self, choice: int, seconds: float, survival_CnBL, accept_C, valid_C, steps: int = 1, realised=None
+    ) -> None:
         """A step of candidate `choice` took `seconds`; survival_CnBL: the estimate it reported (None for a step
         that estimated nothing); accept_C: its accept lengths, valid_C: the slots where that length is the tree's
         (active and not cut by EOS or a token limit). steps > 1: a chunk of that many steps (one executable) took
-        `seconds` a step, and the survival and accept lengths are its first step's."""
+        `seconds` a step, and the survival and accept lengths are its first step's; realised = (mean accept
+        length a step per slot over the chunk [C], its valid slots [C]) then speaks for all its steps."""
         estimated = survival_CnBL is not None and self.estimate_every > 1  # its candidate's other executable
         same = choice == self.last
         if same and not estimated and not self.last_estimated:  # the same executable as the step before
@@ -229,8 +232,9 @@ class Policy:
         self.last, self.last_estimated = choice, estimated
         self.steps += steps
         valid = np.asarray(valid_C, bool)
-        if valid.any() and self.chosen_tau is not None:
-            self.tau_sums[choice] += (1, self.chosen_tau[choice], np.asarray(accept_C)[valid].mean())
+        got, got_valid = (accept_C, valid) if realised is None else (realised[0], np.asarray(realised[1], bool))
+        if got_valid.any() and self.chosen_tau is not None:
+            self.tau_sums[choice] += steps * np.array([1, self.chosen_tau[choice], np.asarray(got)[got_valid].mean()])
         if survival_CnBL is None:
             return
         counted = self._track(survival_CnBL, valid_C)
@@ -362,9 +366,9 @@ class AutoDecoder:
 
 def decode_chunk(params, dparams, state, num_steps, *, first: dict, rest: dict):
     """A candidate's estimating step, then up to num_steps - 1 of its stale steps in one while_loop (statics of
-    `engine.step`: first, rest); returns the state and the first step's start, accept lengths and done mask (what
-    its estimate is calibrated against)."""
-    head = {"step": state.step}
+    `engine.step`: first, rest); returns the state and the chunk's start (step, tokens out), and its first step's
+    accept lengths and done mask (what its estimate is calibrated against)."""
+    head = {"step": state.step, "num_out": state.num_out}
     state = engine.step(params, dparams, state, **first)
     head.update(accept=state.num_emitted, done=state.done)
     return engine.decode_steps(params, dparams, state, num_steps - 1, **rest), head
@@ -430,7 +434,7 @@ class ChunkedAutoDecoder(AutoDecoder):
         return state
 
     def fields(self, state) -> dict:
-        out = {"survival": state.survival, "step": state.step, "done": state.done}
+        out = {"survival": state.survival, "step": state.step, "done": state.done, "num_out": state.num_out}
         return out if self._head is None else out | {f"head_{k}": v for k, v in self._head.items()}
 
     def observe(self, host: dict, was_done_C) -> int:
@@ -442,7 +446,11 @@ class ChunkedAutoDecoder(AutoDecoder):
             self._ran = (self._ran + [ran])[-256:]
         valid = ~np.asarray(was_done_C, bool) & ~np.asarray(host["head_done"], bool)
         seconds = (self._fetched - dispatched) / ran
-        self.policy.observe(choice, seconds, host["survival"], np.asarray(host["head_accept"]), valid, steps=ran)
+        per_step = (np.asarray(host["num_out"]) - np.asarray(host["head_num_out"])) / ran
+        realised = (per_step, ~np.asarray(was_done_C, bool) & ~np.asarray(host["done"], bool))
+        self.policy.observe(
+            choice, seconds, host["survival"], np.asarray(host["head_accept"]), valid, steps=ran, realised=realised
+        )
         self.choice = self.policy.choose(host["survival"], ~np.asarray(host["done"], bool))
         return self.choice
 

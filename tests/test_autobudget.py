@@ -329,7 +329,7 @@ def test_a_chunk_is_its_estimating_step_then_stale_steps_as_single_steps_run_the
     ids = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
     state = est.prefill(*args, ids, np.array([12, 9]), jax.random.key(0), max_len=64)
     one = est.step(*args, jax.tree.map(lambda x: x.copy(), state))  # steps donate their state
-    head_want = jax.device_get({"step": 0, "accept": one.num_emitted, "done": one.done})
+    head_want = jax.device_get({"step": 0, "num_out": state.num_out, "accept": one.num_emitted, "done": one.done})
     for _ in range(3):
         one = stale.step(*args, one)
     got, head = auto.chunks[1](*args, state, np.int32(4))
@@ -368,13 +368,14 @@ def test_a_chunk_is_timed_from_before_its_dispatch_so_one_that_blocks_it_counts_
 
     def blocking(params, dparams, state, num_steps):
         time.sleep(0.01 * int(num_steps))
-        head = {"step": state.step, "accept": np.ones(1, np.int32), "done": np.zeros(1, bool)}
-        return dataclasses.replace(state, step=state.step + int(num_steps)), head
+        head = {"step": state.step, "num_out": state.num_out, "accept": np.ones(1, np.int32), "done": np.zeros(1, bool)}
+        return dataclasses.replace(
+            state, step=state.step + int(num_steps), num_out=state.num_out + int(num_steps)
+        ), head
 
     auto.executables = [blocking] * len(CANDS)
-    state = dataclasses.make_dataclass("State", ["step", "survival", "done"])(
-        0, np.zeros((1, len(CANDS), 7)), np.zeros(1, bool)
-    )
+    fields = ["step", "survival", "done", "num_out"]
+    state = dataclasses.make_dataclass("State", fields)(0, np.zeros((1, len(CANDS), 7)), np.zeros(1, bool), np.zeros(1))
     while auto.policy.timed[0] < 2:
         state = auto.step(None, None, state)
         auto.observe(auto.fields(state), np.zeros(1, bool))
@@ -414,10 +415,27 @@ def test_a_candidate_whose_steps_realise_more_than_its_estimates_is_corrected_up
     for _ in range(6):  # the trials: each candidate's switch step and two timed ones
         i = pol.choose(s, np.ones(1))
         pol.observe(i, 0.01 * (i + 1), s, np.array([realised[i]]), np.ones(1, bool))
-    assert pol.choose(s, np.ones(1)) == 0  # 3 x 1.27 / 0.02 < 2 / 0.01: not enough evidence yet
+    assert pol.choose(s, np.ones(1)) == 0  # 3 x 1.09 / 0.02 < 2 / 0.01: not enough evidence yet
     for _ in range(20):
         pol.observe(1, 0.02, s, np.array([6]), np.ones(1, bool))
     k = pol.corrections()
-    assert k[0] == pytest.approx(1.0) and k[1] == pytest.approx((23 * 6 + 8 * 3) / (23 * 3 + 8 * 3))
+    prior = autobudget.CORRECTION_PRIOR
+    assert k[0] == pytest.approx(1.0) and k[1] == pytest.approx((23 * 6 + prior * 3) / (23 * 3 + prior * 3))
     assert pol.choose(s, np.ones(1)) == 1
     assert pol.stats()["tau_correction"] == {"chain": 1.0, "ddtree32": round(float(k[1]), 3)}
+
+
+def test_a_chunk_speaks_for_all_its_steps_in_the_correction():
+    """observe(steps=n, realised=...): a chunk adds n steps at its mean accept length a step over its slots still
+    decoding at its end (its head's accept lengths stay the calibration's), so one 40-step chunk outweighs the
+    prior and a slot that finished inside it does not count."""
+    pol = autobudget.Policy(CANDS, explore_every=0, refit_every=0)
+    s = np.zeros((2, 3, 7))
+    s[:, :, :2] = 1.0  # every candidate expects 3 a step
+    pol.choose(s, np.ones(2))
+    realised = (np.array([6.0, 1.0]), np.array([True, False]))  # slot 1 finished inside the chunk
+    pol.observe(2, 0.01, s, np.array([3, 3]), np.ones(2, bool), steps=40, realised=realised)
+    prior = autobudget.CORRECTION_PRIOR
+    assert pol.tau_sums[2].tolist() == [40, 40 * 3.0, 40 * 6.0]
+    assert pol.corrections()[2] == pytest.approx((240 + prior * 3) / (120 + prior * 3))
+    assert len(pol.observed) == 2 * 7 and sum(pol.observed) == 2 * 2  # the head's pairs: both slots accepted 3
