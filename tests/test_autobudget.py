@@ -379,7 +379,7 @@ def test_a_chunk_is_timed_from_before_its_dispatch_so_one_that_blocks_it_counts_
     while auto.policy.timed[0] < 2:
         state = auto.step(None, None, state)
         auto.observe(auto.fields(state), np.zeros(1, bool))
-    assert 0.01 <= auto.policy.seconds[0] < 0.05
+    assert 0.01 <= auto.policy.seconds[0] < 0.5  # the buggy timing read ~1e-5 s
 
 
 def test_chunks_of_steps_count_as_steps_and_each_explore_period_retries_once():
