@@ -210,13 +210,23 @@ class Policy:
         return best if repaid else self.last
 
     def observe(
-        self, choice: int, seconds: float, survival_CnBL, accept_C, valid_C, steps: int = 1, realised=None
+        self,
+        choice: int,
+        seconds: float,
+        survival_CnBL,
+        accept_C,
+        valid_C,
+        steps: int = 1,
+        realised=None,
+        counterfactual=None,
     ) -> None:
         """A step of candidate `choice` took `seconds`; survival_CnBL: the estimate it reported (None for a step
         that estimated nothing); accept_C: its accept lengths, valid_C: the slots where that length is the tree's
         (active and not cut by EOS or a token limit). steps > 1: a chunk of that many steps (one executable) took
         `seconds` a step, and the survival and accept lengths are its first step's; realised = (mean accept
-        length a step per slot over the chunk [C], its valid slots [C]) then speaks for all its steps."""
+        length a step per slot over the chunk [C], its valid slots [C]) then speaks for all its steps.
+        counterfactual = (the step's `DecodeState.realised` [C, nB], its valid slots [C]): the other candidates
+        whose accept length the step's tree told (non-zero) count one step each toward their corrections."""
         estimated = survival_CnBL is not None and self.estimate_every > 1  # its candidate's other executable
         same = choice == self.last
         if same and not estimated and not self.last_estimated:  # the same executable as the step before
@@ -235,6 +245,12 @@ class Policy:
         got, got_valid = (accept_C, valid) if realised is None else (realised[0], np.asarray(realised[1], bool))
         if got_valid.any() and self.chosen_tau is not None:
             self.tau_sums[choice] += steps * np.array([1, self.chosen_tau[choice], np.asarray(got)[got_valid].mean()])
+        if counterfactual is not None and self.chosen_tau is not None:
+            lens, cf_valid = np.asarray(counterfactual[0]), np.asarray(counterfactual[1], bool)
+            for i in range(len(self.candidates)):
+                told = lens[cf_valid, i]
+                if i != choice and told.size and (told > 0).all():
+                    self.tau_sums[i] += (1, self.chosen_tau[i], told.mean())
         if survival_CnBL is None:
             return
         counted = self._track(survival_CnBL, valid_C)
@@ -269,7 +285,7 @@ class AutoDecoder:
     After each step the caller reads `FIELDS` of the state to the host and passes them to `observe`, which times
     the step and picks the next candidate."""
 
-    FIELDS = ("survival", "num_emitted", "done")
+    FIELDS = ("survival", "num_emitted", "done", "realised")
     auto = True
 
     def __init__(
@@ -357,7 +373,8 @@ class AutoDecoder:
         done = np.asarray(host["done"], bool)
         valid = ~np.asarray(was_done_C, bool) & ~done
         survival = host["survival"] if fresh else None
-        self.policy.observe(choice, seconds, survival, np.asarray(host["num_emitted"]), valid)
+        cf = (host["realised"], valid)
+        self.policy.observe(choice, seconds, survival, np.asarray(host["num_emitted"]), valid, counterfactual=cf)
         self.choice = self.policy.choose(survival, ~done)
         self._since = 0 if fresh else self._since + 1
         self.fresh = self._since + 1 >= self.estimate_every
@@ -434,7 +451,7 @@ class ChunkedAutoDecoder(AutoDecoder):
         return state
 
     def fields(self, state) -> dict:
-        out = {"survival": state.survival, "step": state.step, "done": state.done, "num_out": state.num_out}
+        out = {f: getattr(state, f) for f in ("survival", "step", "done", "num_out", "realised")}
         return out if self._head is None else out | {f"head_{k}": v for k, v in self._head.items()}
 
     def observe(self, host: dict, was_done_C) -> int:
@@ -447,9 +464,16 @@ class ChunkedAutoDecoder(AutoDecoder):
         valid = ~np.asarray(was_done_C, bool) & ~np.asarray(host["head_done"], bool)
         seconds = (self._fetched - dispatched) / ran
         per_step = (np.asarray(host["num_out"]) - np.asarray(host["head_num_out"])) / ran
-        realised = (per_step, ~np.asarray(was_done_C, bool) & ~np.asarray(host["done"], bool))
+        live = ~np.asarray(was_done_C, bool) & ~np.asarray(host["done"], bool)
         self.policy.observe(
-            choice, seconds, host["survival"], np.asarray(host["head_accept"]), valid, steps=ran, realised=realised
+            choice,
+            seconds,
+            host["survival"],
+            np.asarray(host["head_accept"]),
+            valid,
+            steps=ran,
+            realised=(per_step, live),
+            counterfactual=(host["realised"], live),  # the chunk's last step's
         )
         self.choice = self.policy.choose(host["survival"], ~np.asarray(host["done"], bool))
         return self.choice

@@ -114,6 +114,8 @@ class DecodeState:
     top_ids: jax.Array  # [C, P, K] the K most likely tokens at each ([C, 0, 0] without logprobs)
     top_logprob: jax.Array  # [C, P, K] float32
     survival: jax.Array  # [C, nB, L] float32: per sc.estimate candidate, P(tau >= a + 1) by the last step's draft
+    realised: jax.Array  # [C, nB] int32: per sc.estimate candidate, its accept length at the last step where that
+    # step's own tree tells it (`counterfactual_accept`), else 0
 
 
 def max_steps(sc: StepConfig) -> int:
@@ -257,6 +259,7 @@ def prefill(
         top_ids=top_ids,
         top_logprob=top_logprob,
         survival=jnp.zeros((C, len(sc.estimate), sc.depth), jnp.float32),
+        realised=jnp.zeros((C, len(sc.estimate)), jnp.int32),
     )
     out, num_out, done, n = _record(state, emitted, jnp.ones(C, jnp.int32), sc)
     return state.replace(out=out, num_out=num_out, done=done, num_emitted=n)
@@ -295,6 +298,7 @@ def empty_state(
         top_ids=zeros(C, Pl, K),
         top_logprob=jnp.zeros((C, Pl, K), jnp.float32),
         survival=jnp.zeros((C, len(sc.estimate), sc.depth), jnp.float32),
+        realised=zeros(C, len(sc.estimate)),
     )
 
 
@@ -434,6 +438,30 @@ def build_tree(draft_logits_CLV, *, sc: StepConfig, impls: ops.Impls):
     return ops.tree_build(logq, ids, budgets, max_budget=B, impls=impls), survival
 
 
+def counterfactual_accept(draft_CLV, path_CP, accept_len_C, emitted_CP, *, sc: StepConfig):
+    """[C, nB]: the accept length each sc.estimate candidate's tree would have had at this step, where this step's
+    tree tells it, else 0. A DDTree candidate of budget b <= this step's takes the accepted path while its nodes rank
+    below b (a smaller best-first tree is a prefix of a larger one: exact); the chain takes it while each depth's
+    target token (the accepted tokens, then the bonus) is the draft's top-1 there (a lower bound when all are)."""
+    C, P = path_CP.shape
+    depth = jnp.arange(1, P)[None]  # [1, L]
+    cols = []
+    for method, b in sc.estimate:
+        if (method, b) == (sc.method, sc.tree_size):
+            col = accept_len_C
+        elif method == "ddtree" == sc.method and b <= sc.tree_size:
+            inside = (depth < accept_len_C[:, None]) & (path_CP[:, 1:] <= b)
+            col = 1 + jnp.cumprod(inside, axis=1).sum(1)
+        elif method == "chain" and sc.method == "ddtree":
+            top1 = jnp.argmax(draft_CLV, axis=-1)  # [C, L]
+            match = (depth <= accept_len_C[:, None]) & (emitted_CP[:, : P - 1] == top1)
+            col = 1 + jnp.cumprod(match, axis=1).sum(1)
+        else:
+            col = jnp.zeros(C, jnp.int32)
+        cols.append(col.astype(jnp.int32))
+    return jnp.stack(cols, axis=1)
+
+
 def step(
     params,
     dparams,
@@ -481,6 +509,9 @@ def step(
             state, key, ids, tail_rows, feats, path, accept_len, bonus, dparams, dcfg=dcfg, sc=sc, drafter=drafter
         )
         state = state if survival is None else state.replace(survival=survival)
+        if sc.estimate:
+            realised = counterfactual_accept(draft_CLV, path, accept_len, state.emitted, sc=sc)
+            state = state.replace(realised=realised)
     if not sc.logprobs:
         return state
     # emitted token j was chosen at path node j: its distribution is that node's row of logits

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from k26jax import autobudget, budget, engine, sharding  # noqa: E402
 
-FETCH = ("num_emitted", "done", "survival")
+FETCH = ("num_emitted", "done", "survival", "realised")
 
 
 def host_loop(step, params, dparams, state, steps: int, fields=FETCH, after=None):
@@ -69,7 +69,9 @@ class Cell:
         if kind not in self.states:
             state = self.s.state_fn(v)(self.key)
             survival = np.zeros((self.C, estimates, state.survival.shape[2]), np.float32)
-            self.states = {kind: state.replace(survival=jax.device_put(survival, self.s.replicated))}
+            realised = np.zeros((self.C, estimates), np.int32)
+            put = lambda x: jax.device_put(x, self.s.replicated)
+            self.states = {kind: state.replace(survival=put(survival), realised=put(realised))}
         return self.states.pop(kind), kind
 
     def reset(self, state):

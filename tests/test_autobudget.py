@@ -273,13 +273,14 @@ def test_one_step_in_estimate_every_runs_the_estimating_executable(every):
     log, seen = [], []
     auto.executables = [tuple(_Exe(log, (i, k)) for k in range(len(p))) for i, p in enumerate(auto.decoders)]
     auto.policy = autobudget.Policy(CANDS, estimate_every=every)
-    auto.policy.observe = lambda choice, seconds, survival, *a: seen.append(survival is not None)
+    auto.policy.observe = lambda choice, seconds, survival, *a, **kw: seen.append(survival is not None)
     auto.policy.choose = lambda survival, active: 1
     auto.fresh, auto._since = True, 0  # as prepare leaves it
     state = 0
     for _ in range(3 * every + 1):
         state = auto.step(None, None, state)
-        auto.observe({"survival": np.zeros((2, 3, 7)), "num_emitted": np.ones(2), "done": np.zeros(2)}, np.zeros(2))
+        host = {"survival": np.zeros((2, 3, 7)), "num_emitted": np.ones(2), "done": np.zeros(2)}
+        auto.observe(host | {"realised": np.zeros((2, 3), np.int32)}, np.zeros(2))
     want = [k % every == 0 for k in range(3 * every + 1)]
     assert seen == want and log == [(0 if k == 0 else 1, 0 if w else 1) for k, w in enumerate(want)]
 
@@ -374,8 +375,10 @@ def test_a_chunk_is_timed_from_before_its_dispatch_so_one_that_blocks_it_counts_
         ), head
 
     auto.executables = [blocking] * len(CANDS)
-    fields = ["step", "survival", "done", "num_out"]
-    state = dataclasses.make_dataclass("State", fields)(0, np.zeros((1, len(CANDS), 7)), np.zeros(1, bool), np.zeros(1))
+    fields = ["step", "survival", "done", "num_out", "realised"]
+    state = dataclasses.make_dataclass("State", fields)(
+        0, np.zeros((1, len(CANDS), 7)), np.zeros(1, bool), np.zeros(1), np.zeros((1, len(CANDS)), np.int32)
+    )
     while auto.policy.timed[0] < 2:
         state = auto.step(None, None, state)
         auto.observe(auto.fields(state), np.zeros(1, bool))
@@ -439,3 +442,19 @@ def test_a_chunk_speaks_for_all_its_steps_in_the_correction():
     assert pol.tau_sums[2].tolist() == [40, 40 * 3.0, 40 * 6.0]
     assert pol.corrections()[2] == pytest.approx((240 + prior * 3) / (120 + prior * 3))
     assert len(pol.observed) == 2 * 7 and sum(pol.observed) == 2 * 2  # the head's pairs: both slots accepted 3
+
+
+def test_what_a_step_tells_of_other_candidates_counts_toward_their_corrections():
+    """observe(counterfactual=...): the candidates whose accept length the step's tree told (non-zero over the
+    valid slots) each add one step at that length; the chosen one counts once (its own accept), the others (0:
+    a larger tree) not at all."""
+    pol = autobudget.Policy(CANDS, explore_every=0, refit_every=0)
+    s = np.zeros((2, 3, 7))
+    s[:, :, :1] = 1.0  # every candidate expects 2 a step
+    pol.choose(s, np.ones(2))
+    told = np.array([[3, 4, 5], [5, 6, 0]])  # slot 1 is not valid: its 0 says nothing
+    pol.observe(1, 0.01, s, np.array([4, 6]), np.ones(2, bool), counterfactual=(told, np.array([True, False])))
+    assert pol.tau_sums.tolist() == [[1, 2.0, 3.0], [1, 2.0, 5.0], [1, 2.0, 5.0]]
+    told[0, 2] = 0  # candidate 2's tree is larger than the step's
+    pol.observe(1, 0.01, s, np.array([4, 6]), np.ones(2, bool), counterfactual=(told, np.ones(2, bool)))
+    assert pol.tau_sums[0].tolist() == [2, 4.0, 7.0] and pol.tau_sums[2].tolist() == [1, 2.0, 5.0]

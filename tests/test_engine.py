@@ -165,6 +165,40 @@ def test_cache_commit_equals_prefill_of_the_emitted_tokens(model, ar):
         np.testing.assert_allclose(state.cache.rows[:, i, :n], rows[:, 0], atol=2e-5)
 
 
+def test_counterfactual_accept_lengths_are_what_each_candidates_own_tree_accepts(model, ar):
+    """A step with estimate candidates reports per candidate the accept length its tree gets from the same state,
+    where the step's own tree tells it: exactly, for DDTree budgets up to the step's (prefixes of its best-first
+    tree); for the chain exactly, or a lower bound where every known target token was the draft's top-1; 0 for a
+    larger tree."""
+    cands = (("chain", L), ("ddtree", 2), ("ddtree", 8), ("ddtree", 16), ("ddtree", 64))
+    oracle = Oracle(trajectories(ar[0]), 0.3)
+
+    def decoder(method, b, estimate=()):
+        sc = engine.StepConfig(method=method, budget=b, max_new_tokens=NEW, block_size=L + 1, estimate=estimate)
+        return engine.Decoder(model.cfg, model.drafter_cfg, sc, IMPLS, drafter=oracle)
+
+    big, args = decoder("ddtree", 16, cands), (model.params, model.drafter_params)
+    own = [decoder(m, b) for m, b in cands[:4]]
+    ids = np.zeros((3, 32), np.int32)
+    for i, p in enumerate(PROMPTS):
+        ids[i, : len(p)] = p
+    state = big.prefill(*args, ids, np.array([len(p) for p in PROMPTS]), jax.random.key(0), max_len=128)
+    seen = set()
+    for _ in range(5):
+        copy = lambda: jax.tree.map(lambda x: x.copy(), state)  # steps donate their state
+        actual = [np.asarray(d.step(*args, copy()).num_emitted) for d in own]
+        state = big.step(*args, state)
+        got, accept = np.asarray(state.realised), np.asarray(state.num_emitted)
+        live = ~np.asarray(state.done)
+        np.testing.assert_array_equal(got[live, 1:4], np.stack(actual[1:], 1)[live])  # DDTree 2, 8, 16
+        chain = actual[0][live]
+        bound = got[live, 0] == accept[live] + 1
+        assert (got[live, 0] <= chain).all() and ((got[live, 0] == chain) | bound).all()
+        assert (got[:, 4] == 0).all()  # DDTree 64: larger than the step's tree
+        seen |= {tuple(row) for row in got[live, :4]}
+    assert len(seen) >= 3  # the candidates' accept lengths differ between steps and from each other
+
+
 def test_eight_devices_equal_one_device(model):
     mesh = sharding.make_mesh(8)
     placed = api.place(model.params, model.cfg, mesh, "ep")

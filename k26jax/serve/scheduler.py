@@ -120,7 +120,7 @@ class Scheduler:
         self.steps = 0
         self.faults = {int(s) for s in os.environ.get(FAULT_ENV, "").split(",") if s.strip()}
         self.auto = getattr(dec, "auto", False)  # an AutoDecoder, or process 0's Leader over one
-        self.fields = EMISSION_FIELDS + (("survival",) if self.auto else ())
+        self.fields = EMISSION_FIELDS + (("survival", "realised") if self.auto else ())
         self.fetched = None  # (owners, host emission arrays) of the last step, not yet delivered
         self.waited = 0.0  # of this turn, in _wait
         self.state = self._empty()
