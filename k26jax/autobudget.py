@@ -27,7 +27,8 @@ accept length reached a + 1; every `refit_every` estimates `budget.calibrate` re
 so far (gamma > 1: the drafter is overconfident), and E[tau] = 1 + sum_a g(S_a). One g serves every candidate, but
 a drafter can misjudge a tree's alternatives apart from its top-1 path (the mini pair's underrates its trees), so
 each candidate's E[tau] is then scaled by what its own steps realised over what they were chosen on
-(`Policy.corrections`).
+(`Policy.corrections`). A step also tells what the candidates its tree contains would have accepted
+(`engine.counterfactual_accept`: smaller DDTree budgets exactly, the chain nearly), so those count too.
 """
 
 from __future__ import annotations
