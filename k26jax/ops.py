@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from k26jax import sharded_kernels
-from pallas_kernels import arch, int4_moe_gemm
+from pallas_kernels import arch, few_row_gemm, int4_moe_gemm
 from pallas_kernels import tree_accept as tree_accept_kernel
 from pallas_kernels import tree_build as tree_build_kernel
 from pallas_kernels import tree_mla_attention as mla_kernel
@@ -42,6 +42,7 @@ class Impls:
     moe and attention also take "skip" for benchmark phase ablations: `moe_gemm` then returns x_ND and
     `mla_attention` q_lat, with no kernel, so a step's time can be taken apart phase by phase. probe: a
     k26jax.routing.ExpertProbe that every `moe_gemm` reports its layer's expert ids to (a measurement build).
+    dense_rows: a layer's dense dots of at most this many rows run as `dense_gemm`'s kernel (0: never).
     """
 
     moe: str = "reference"
@@ -52,12 +53,15 @@ class Impls:
     expert_mode: str = "ep"
     interpret: bool = False
     probe: object | None = None
+    dense_rows: int = 0
 
     def __post_init__(self):
         for field in ("moe", "attention", "tree_build", "tree_accept"):
             allowed = IMPLS + (SKIP,) if field in ("moe", "attention") else IMPLS
             if getattr(self, field) not in allowed:
                 raise ValueError(f"Impls.{field}={getattr(self, field)!r}: use one of {allowed}")
+        if not 0 <= self.dense_rows <= few_row_gemm.MAX_ROWS:
+            raise ValueError(f"Impls.dense_rows={self.dense_rows}: use 0 to {few_row_gemm.MAX_ROWS}")
 
     @classmethod
     def auto(cls, mesh: Mesh | None = None, expert_mode: str = "ep") -> "Impls":
@@ -89,6 +93,33 @@ def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
                 impls.mesh, mode=impls.expert_mode, impl="pallas", interpret=impls.interpret, stacked=True
             )(*args, layer)
         return int4_moe_gemm.fused_moe(*args, interpret=impls.interpret, layer=layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWeight:
+    """Layer `layer` of the weight stack `stack` [L, ...], as a layer scan hands its dense weights to
+    layers.mm: `dense_gemm` can then read the layer where it lies, which a slice in front of a custom call would
+    copy. `get()` is the slice (what every other dot takes)."""
+
+    stack: jax.Array
+    layer: jax.Array | int
+    impls: Impls
+
+    def get(self):
+        return jax.lax.dynamic_index_in_dim(self.stack, self.layer, axis=0, keepdims=False)
+
+
+def dense_gemm(x_MK, w_KN: LayerWeight, out_dtype):
+    """x [M, K] @ layer `w_KN.layer` of the stack [L, K, N] with fp32 sums, or None where XLA's dot (cuBLAS)
+    should run it: more rows than `Impls.dense_rows`, or a sharded mesh (the kernel is not partitioned).
+    See pallas_kernels/few_row_gemm.py."""
+    impls = w_KN.impls
+    if x_MK.shape[0] > impls.dense_rows or impls.sharded:
+        return None
+    with jax.named_scope("dense_gemm"):
+        return few_row_gemm.few_row_gemm(
+            x_MK, w_KN.stack, layer=w_KN.layer, out_dtype=out_dtype, interpret=impls.interpret
+        )
 
 
 def mla_attention(q_lat, q_rope, cache, prefix_len, tail_rows, visibility, *, scale: float, layer, impls: Impls):

@@ -44,10 +44,10 @@ import numpy as np
 from k26jax import engine, ops, routing, synthetic
 from k26jax.config import preset
 from k26jax.model import drafter as drafter_lib
-from k26jax.model import layers as layers_mod
 from k26jax.model import params as param_table
 from k26jax.model.layers import mm, rms_norm
 from k26jax.step_cost import kimi_drafter_config
+from pallas_kernels import few_row_gemm
 
 K26_LAYERS = 61
 
@@ -111,7 +111,12 @@ class Bench:
         full = bench_e2e.target_config(args.preset, layers)
         self.share = Share(full, kimi_drafter_config(full, self.tiny), args.gpus, args.expert_mode)
         self.profile = synthetic.fit_profile(args.tau, 8, vocab=self.share.cfg.vocab_size)
-        self.impls = ops.Impls.auto()
+        self.impls = self.impls_for(args)
+
+    @staticmethod
+    def impls_for(args) -> ops.Impls:
+        impls = ops.Impls.auto()
+        return impls if args.dense_rows is None else dataclasses.replace(impls, dense_rows=args.dense_rows)
 
     def decoder(self, v: Variant, impls=None) -> engine.Decoder:
         s = self.share
@@ -262,9 +267,13 @@ def parse_args(argv=None):
     ap.add_argument("--collective-us", type=float, default=10.0, help="latency per collective, microseconds")
     ap.add_argument("--nvlink-GBps", type=float, default=360.0, help="all-reduce bus bandwidth per GPU, GB/s")
     ap.add_argument("--profile", default=None, help="write jax.profiler traces here and break each step down")
-    ap.add_argument("--gemv-rows", type=int, default=None, help="layers.GEMV_MAX_ROWS for this run (A/B)")
+    ap.add_argument(
+        "--dense-rows", type=int, default=None, help="ops.Impls.dense_rows for this run (A/B; default Impls.auto's)"
+    )
     harness.add_record_args(ap, "bench/results/share.json")
     args = ap.parse_args(argv)
+    if args.dense_rows is not None and not 0 <= args.dense_rows <= few_row_gemm.MAX_ROWS:
+        ap.error(f"--dense-rows {args.dense_rows}: use 0 (cuBLAS) to {few_row_gemm.MAX_ROWS}")
     dense = preset(args.preset).first_k_dense_replace
     if min(args.layers) <= dense:
         ap.error(f"--layers {min(args.layers)}: a depth must pass the {dense} dense layer(s) to hold a MoE layer")
@@ -273,15 +282,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.gemv_rows is not None:
-        layers_mod.GEMV_MAX_ROWS = args.gemv_rows
     ceil = harness.measure_ceilings(small=args.preset == "tiny")
     record = harness.record_header(
         args.commit,
         gpus=args.gpus,
         expert_mode=args.expert_mode,
         collective_model={"latency_us": args.collective_us, "busbw_GBps": args.nvlink_GBps, "form": "ring"},
-        gemv_max_rows=layers_mod.GEMV_MAX_ROWS,
+        dense_rows=Bench.impls_for(args).dense_rows,
         ceilings=ceil.record(),
         rows=[],
     )

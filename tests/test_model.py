@@ -16,6 +16,7 @@ from k26jax.config import ConfigError, ModelConfig, preset, preset_text_config
 from k26jax.model import layers as L
 from k26jax.model import params as param_table
 from k26jax.model import target
+from pallas_kernels import few_row_gemm
 
 IMPLS = ops.Impls()
 
@@ -204,42 +205,40 @@ def test_dense_dots_pad_rows_on_the_gpu(monkeypatch):
     assert L.pad_rows(xs[0], 1).shape[0] == L.GPU_MIN_ROWS
     assert L.pad_rows(xs[1], 3).shape[0] == 3  # 3 x 3 rows >= 8
     assert L.pad_rows(xs[1], 4) is xs[1]
-    for gemv_rows in (0, 8):  # padded cuBLAS rows, then the multiply-reduce (the router's HIGHEST precision too)
-        monkeypatch.setattr(L, "GEMV_MAX_ROWS", gemv_rows)
-        for x, (dot, (ids, weights)) in zip(xs, want):
-            np.testing.assert_allclose(L.mm("btd,dk->btk", x, w), dot, rtol=1e-5, atol=1e-5)
-            got_ids, got_weights = L.route(kernel, bias, x.reshape(-1, cfg.hidden_size), cfg)
-            np.testing.assert_array_equal(got_ids, ids)
-            np.testing.assert_allclose(got_weights, weights, rtol=1e-6)
+    for x, (dot, (ids, weights)) in zip(xs, want):
+        np.testing.assert_allclose(L.mm("btd,dk->btk", x, w), dot, rtol=1e-5, atol=1e-5)
+        got_ids, got_weights = L.route(kernel, bias, x.reshape(-1, cfg.hidden_size), cfg)
+        np.testing.assert_array_equal(got_ids, ids)
+        np.testing.assert_allclose(got_weights, weights, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
-    "subscripts, x_shape, w_shape",
+    "subscripts, x_shape, w_shape, kernel",
     [
-        ("btd,dhq->bthq", (1, 1, 40), (40, 3, 5)),
-        ("bthv,hvd->btd", (2, 1, 3, 4), (3, 4, 33)),
-        ("bthr,hvr->bthv", (1, 2, 3, 16), (3, 5, 16)),
-        ("bnd,de->bne", (1, 3, 8), (8, 1)),
-        ("btd,dk->btk", (1, 1, 1), (1, 7)),
+        ("btd,dhq->bthq", (1, 1, 40), (40, 3, 5), True),
+        ("bthv,hvd->btd", (2, 1, 3, 4), (3, 4, 33), True),
+        ("bnd,de->bne", (1, 3, 8), (8, 1), True),
+        ("btd,dk->btk", (1, 1, 1), (1, 7), True),
+        ("bthr,hvr->bthv", (1, 2, 3, 16), (3, 5, 16), False),  # h is a batch axis: not a plain dot
     ],
 )
-def test_few_row_dots_as_a_multiply_reduce_equal_the_einsum(monkeypatch, subscripts, x_shape, w_shape):
-    """layers.multiply_reduce on fresh float32 inputs against numpy's einsum (odd sizes, a contraction of 1, a
-    transposed weight), and mm takes it on the GPU for at most GEMV_MAX_ROWS rows (posing as the GPU)."""
+def test_layer_weight_dots_equal_the_einsum(monkeypatch, subscripts, x_shape, w_shape, kernel):
+    """mm of a layer of a stack (ops.LayerWeight), on fresh float32 inputs against numpy's einsum: through the
+    few-row kernel (interpret mode) where its rows and pattern allow, else the slice; odd sizes, a contraction of
+    1, and a head-batched dot that must not take the kernel."""
     rng = np.random.default_rng(sum(x_shape) + sum(w_shape))
-    x, w = rng.standard_normal(x_shape).astype(np.float32), rng.standard_normal(w_shape).astype(np.float32)
-    want = np.einsum(subscripts, x.astype(np.float64), w.astype(np.float64))
-    got = L.multiply_reduce(subscripts, jnp.asarray(x), jnp.asarray(w))
-    assert got.shape == want.shape and got.dtype == jnp.float32
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    calls = []
-    monkeypatch.setattr(L, "multiply_reduce", lambda *a: calls.append(a) or jnp.zeros(want.shape))
-    monkeypatch.setattr(L.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(L, "GEMV_MAX_ROWS", x_shape[0] * x_shape[1])
-    assert L.mm(subscripts, jnp.asarray(x), jnp.asarray(w)).shape == want.shape and len(calls) == 1
-    monkeypatch.setattr(L, "GEMV_MAX_ROWS", x_shape[0] * x_shape[1] - 1)
-    np.testing.assert_allclose(L.mm(subscripts, jnp.asarray(x), jnp.asarray(w)), want, rtol=1e-5, atol=1e-5)
-    assert len(calls) == 1
+    x, stack = rng.standard_normal(x_shape).astype(np.float32), rng.standard_normal((3, *w_shape)).astype(np.float32)
+    want = np.einsum(subscripts, x.astype(np.float64), stack[2].astype(np.float64))
+    calls, real = [], few_row_gemm.few_row_gemm
+    monkeypatch.setattr(few_row_gemm, "few_row_gemm", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    rows = x_shape[0] * x_shape[1]
+    for dense_rows in (rows, rows - 1):
+        calls.clear()
+        w = ops.LayerWeight(jnp.asarray(stack), jnp.int32(2), ops.Impls(dense_rows=dense_rows, interpret=True))
+        got = L.mm(subscripts, jnp.asarray(x), w, out_dtype=jnp.float32)
+        assert got.shape == want.shape and got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert len(calls) == (kernel and dense_rows >= rows)
 
 
 # ---- whole model -------------------------------------------------------------------------------------------

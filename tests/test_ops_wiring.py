@@ -14,7 +14,7 @@ from k26jax import api, ops, sharding
 from k26jax.config import preset
 from k26jax.model import target
 
-PALLAS = dict(moe="pallas", attention="pallas", tree_build="pallas", tree_accept="pallas", interpret=True)
+PALLAS = dict(moe="pallas", attention="pallas", tree_build="pallas", tree_accept="pallas", dense_rows=8, interpret=True)
 
 
 def verify_logits(cfg, params, impls):

@@ -7,12 +7,14 @@ softmax and router scores are fp32 (DESIGN.md, Numerics).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k26jax import ops
 from k26jax.config import ModelConfig, yarn_mscale
 
 F32 = jnp.float32
@@ -21,9 +23,6 @@ F32 = jnp.float32
 # On the GPU a dot of fewer rows is lowered to XLA's own kernel, which copies a weight sliced out of a layer stack
 # (ops.COMPILER_OPTIONS); the dense dots below pad their rows up to this many so cuBLAS reads the slice in place.
 GPU_MIN_ROWS = 8
-# On the GPU a dense dot of at most this many rows runs as one multiply-reduce fusion instead (0: never), which
-# reads the weight once with no padded rows; its fp32 products and sums meet any `precision` asked of mm.
-GEMV_MAX_ROWS = 0
 
 
 def pad_rows(x, rows_per_item: int = 1):
@@ -37,16 +36,22 @@ def pad_rows(x, rows_per_item: int = 1):
 
 def mm(subscripts: str, x, w, out_dtype=None, precision=None):
     """einsum with fp32 accumulation, returned in out_dtype (x's dtype by default). x and the result are
-    [B, T, ...] (leading rows padded on the GPU, see GPU_MIN_ROWS; at most GEMV_MAX_ROWS rows there run as
-    `multiply_reduce`). w is cast to x's dtype.
+    [B, T, ...] (leading rows padded on the GPU, see GPU_MIN_ROWS). w is cast to x's dtype.
+
+    w may be an ops.LayerWeight (a layer scan's weight): a dot "bt<X>,<X><Y>->bt<Y>" of few enough rows then
+    runs as ops.dense_gemm, which reads the layer inside its stack; its fp32 products and sums meet any
+    `precision` asked.
 
     XLA:CPU has no bf16 x bf16 -> f32 batched-dot thunk, so on the CPU the operands are upcast first; that is
     exact, since a product of two bf16 values is representable in f32.
     """
     out_dtype = out_dtype or x.dtype
+    if isinstance(w, ops.LayerWeight):
+        y = _layer_gemm(subscripts, x, w, out_dtype)
+        if y is not None:
+            return y
+        w = w.get()
     w = w.astype(x.dtype)
-    if jax.default_backend() == "gpu" and x.shape[0] * x.shape[1] <= GEMV_MAX_ROWS:  # fp32: any precision asked
-        return multiply_reduce(subscripts, x, w).astype(out_dtype)
     if jax.default_backend() == "cpu" and x.dtype == jnp.bfloat16:
         return jnp.einsum(subscripts, x.astype(F32), w.astype(F32), precision=precision).astype(out_dtype)
     padded = pad_rows(x, x.shape[1])
@@ -54,20 +59,18 @@ def mm(subscripts: str, x, w, out_dtype=None, precision=None):
     return out[: x.shape[0]]
 
 
-def multiply_reduce(subscripts: str, x, w):
-    """einsum as a broadcast product summed in fp32 (a fusion, not a dot): for dots of a few rows."""
+def _layer_gemm(subscripts: str, x, w: ops.LayerWeight, out_dtype):
+    """mm as ops.dense_gemm over [B*T, K] x [L, K, N] views, or None where that does not apply."""
     ins, out = subscripts.split("->")
     a, b = ins.split(",")
-    letters = list(dict.fromkeys(a + b))
-
-    def expand(t, s):  # t laid out over `letters`, size 1 where s lacks a letter
-        order = [c for c in letters if c in s]
-        t = jnp.transpose(t.astype(F32), [s.index(c) for c in order])
-        return t.reshape([t.shape[order.index(c)] if c in s else 1 for c in letters])
-
-    total = jnp.sum(expand(x, a) * expand(w, b), axis=tuple(i for i, c in enumerate(letters) if c not in out))
-    kept = [c for c in letters if c in out]
-    return jnp.transpose(total, [kept.index(c) for c in out])
+    contract = a[2:]
+    if not (a[:2] == out[:2] and b.startswith(contract) and out[2:] == b[len(contract) :]):
+        return None
+    B, T = x.shape[:2]
+    K = int(np.prod(x.shape[2:]))
+    view = dataclasses.replace(w, stack=w.stack.reshape(w.stack.shape[0], K, -1))
+    y = ops.dense_gemm(x.reshape(B * T, K), view, out_dtype)
+    return None if y is None else y.reshape(B, T, *w.stack.shape[1 + len(contract) :])
 
 
 def rms_norm(x, weight, eps: float):

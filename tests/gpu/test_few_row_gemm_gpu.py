@@ -1,8 +1,8 @@
-"""layers.mm's few-row multiply-reduce on the GPU: at the dense shapes of one TP-8 K2.6 layer (bf16, 1-8 rows,
-inside a layer scan over stacked weights, as the model runs them) it equals the float64 einsum as closely as the
-padded cuBLAS dot does; and with it on, greedy DDTree and chain emit AR's tokens on the trained mini pair in
-float32 (lossless)."""
+"""few_row_gemm on the GPU: at the dense shapes of one TP-8 K2.6 layer (bf16, 1-64 rows, inside a layer scan over
+stacked weights, as the model runs them) it equals the float64 product as closely as cuBLAS does; and with
+Impls.dense_rows on, greedy DDTree and chain emit AR's tokens on the trained mini pair in float32 (lossless)."""
 
+import dataclasses
 import os
 
 import jax
@@ -27,40 +27,35 @@ SHAPES = [  # (subscripts, x [B, T, ...] without B/T, w): q_a, q_b, kv_a, o, the
 ]
 
 
-def _scan(subscripts, x, w_stack, gemv_rows):
-    """Each layer's dot of x with its slice of the stack, the way the model's layer scan reads weights."""
-    L.GEMV_MAX_ROWS = gemv_rows
-    try:
-        body = lambda _, w: (None, L.mm(subscripts, x, w, out_dtype=jnp.float32))
-        f = jax.jit(lambda w: jax.lax.scan(body, None, w)[1], compiler_options=ops.COMPILER_OPTIONS)
-        return np.asarray(f(w_stack), np.float64)
-    finally:
-        L.GEMV_MAX_ROWS = 0
+def _scan(subscripts, x, w_stack, dense_rows):
+    """Each layer's dot of x with its layer of the stack, the way the model's layer scan reads weights."""
+    impls = ops.Impls(dense_rows=dense_rows)
+
+    def body(_, layer):
+        return None, L.mm(subscripts, x, ops.LayerWeight(w_stack, layer, impls), out_dtype=jnp.float32)
+
+    layers = jnp.arange(w_stack.shape[0], dtype=jnp.int32)
+    f = jax.jit(lambda: jax.lax.scan(body, None, layers)[1], compiler_options=ops.COMPILER_OPTIONS)
+    return np.asarray(f(), np.float64)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])
 @pytest.mark.parametrize("subscripts, x_tail, w_shape", SHAPES)
-def test_multiply_reduce_equals_the_einsum_like_cublas(subscripts, x_tail, w_shape, rows):
+def test_few_row_gemm_equals_the_product_like_cublas(subscripts, x_tail, w_shape, rows):
     kx, kw = jax.random.split(jax.random.key(rows + len(w_shape)))
     x = jax.random.normal(kx, (rows, 1, *x_tail), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (3, *w_shape), jnp.float32) / np.sqrt(w_shape[0])).astype(jnp.bfloat16)
     want = np.stack([np.einsum(subscripts, np.asarray(x, np.float64), np.asarray(wi, np.float64)) for wi in w])
     scale = np.linalg.norm(want)
-    err_reduce = np.linalg.norm(_scan(subscripts, x, w, 8) - want) / scale
+    err_kernel = np.linalg.norm(_scan(subscripts, x, w, 64) - want) / scale
     err_cublas = np.linalg.norm(_scan(subscripts, x, w, 0) - want) / scale
-    assert err_reduce < 1e-5 and err_cublas < 1e-2, (err_reduce, err_cublas)
+    assert err_kernel < 1e-5 and err_cublas < 1e-2, (err_kernel, err_cublas)
 
 
-def test_greedy_ddtree_and_chain_equal_ar_with_the_multiply_reduce():
-    model = k26jax.load(MINI, dtype="float32")
+def test_greedy_ddtree_and_chain_equal_ar_with_the_few_row_gemm():
+    model = k26jax.load(MINI, dtype="float32", impls=dataclasses.replace(ops.Impls.auto(), dense_rows=64))
     texts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(argv):\n    "]
     prompts = [model.tokenizer.encode(t) for t in texts]
-    L.GEMV_MAX_ROWS = 8
-    try:
-        jax.clear_caches()
-        runs = {m: k26jax.generate(model, prompts, max_new_tokens=48, method=m) for m in ("ar", "chain", "ddtree")}
-    finally:
-        L.GEMV_MAX_ROWS = 0
-        jax.clear_caches()
+    runs = {m: k26jax.generate(model, prompts, max_new_tokens=48, method=m) for m in ("ar", "chain", "ddtree")}
     assert runs["chain"].tokens == runs["ar"].tokens == runs["ddtree"].tokens
     assert runs["ddtree"].stats["tau"] > 1.5  # the trained pair accepts drafts: the tree path ran
