@@ -18,9 +18,11 @@ timed ones), and every `explore_every` steps the least recently timed one is tri
 as contexts grow. Every candidate is lossless, so trying one changes speed, never the tokens at T = 0.
 
 The server's `AutoDecoder` steps one at a time (it schedules between steps). generate's `ChunkedAutoDecoder`
-runs a chunk a dispatch: one candidate's estimating step, then its stale steps in a device loop, as many as keep
-the host's time between chunks under 2% of the chunk. At k26-mini's sub-millisecond steps the host's sync, policy
-and dispatch (about 0.8 ms on an H100 host) were half of each single step.
+runs a chunk a dispatch: one candidate's estimating step, then its stale steps in a device loop, CHUNK_STEPS in
+all. At k26-mini's sub-millisecond steps the host's sync, policy and dispatch (0.5-0.7 ms on an H100 host) were
+half of each single step. Every chunk, a trial's too, is that long, so each candidate's time a step carries the
+same share of the chunk's fixed costs (timing 2-step trial chunks against 16-step chosen ones read the others
+up to 2x slow on the mini pair, and auto stuck to whichever it ran first).
 
 Calibration: each estimating step's predicted S_a of the tree it verified is paired with whether that slot's
 accept length reached a + 1; every `refit_every` estimates `budget.calibrate` refits g(S) = S^gamma over the pairs
@@ -51,9 +53,7 @@ MEAN_EMA = 0.05  # weight of the newest estimate in the running E[tau] statistic
 PREDICT_AFTER = 8  # estimates seen before rho is estimated (until then Policy.rho_prior)
 CORRECTION_PRIOR = 32  # steps' weight of the prior "the estimate is right" in a candidate's tau correction
 ESTIMATE_EVERY = 8  # one step in this many builds the estimate (amortised cost ~0.6% at C = 1, ~1% at C = 8)
-CHUNK_HOST_SHARE = 0.02  # ChunkedAutoDecoder: the host's time between chunks, at most this share of a chunk
-MAX_CHUNK = 64  # steps a chunk runs at most (its estimate is that stale by its end)
-TRIAL_CHUNK = 2  # steps of a chunk that times a candidate under trial (TRIAL timed chunks)
+CHUNK_STEPS = 32  # ChunkedAutoDecoder: steps a chunk runs (0.5-0.7 ms of host a chunk: ~2% of the mini pair's)
 CHUNK_EXPLORE_EVERY = 2048  # steps between retrials of the stalest candidate when chunks are long
 
 
@@ -91,6 +91,8 @@ class Policy:
 
     candidates: tuple
     estimate_every: int = 1  # the AutoDecoder's; above 1 only steps reporting no survival are timed
+    chunked: bool = False  # observations are equal chunks: each is timed (seconds None: not) whatever ran before
+    trial: int = TRIAL  # timed observations a candidate under trial makes
     explore_every: int = 256
     horizon: int = 64
     refit_every: int = 16  # estimates between refits of the calibration
@@ -199,7 +201,7 @@ class Policy:
             if not untimed:
                 self.explored = period
             self.trying = untimed[0] if untimed else int(np.argmin(self.timed_at))
-            self.trial_until = self.timed[self.trying] + TRIAL
+            self.trial_until = self.timed[self.trying] + self.trial
             return self.trying
         tokens = self.chosen_tau * self.corrections() * active.sum()
         seconds = np.asarray(self.seconds, np.float64)
@@ -227,10 +229,16 @@ class Policy:
         `seconds` a step, and the survival and accept lengths are its first step's; realised = (mean accept
         length a step per slot over the chunk [C], its valid slots [C]) then speaks for all its steps.
         counterfactual = (the step's `DecodeState.realised` [C, nB], its valid slots [C]): the other candidates
-        whose accept length the step's tree told (non-zero) count one step each toward their corrections."""
+        whose accept length the step's tree told (non-zero) count one step each toward their corrections. A
+        chunked policy times every chunk whose seconds are given."""
         estimated = survival_CnBL is not None and self.estimate_every > 1  # its candidate's other executable
         same = choice == self.last
-        if same and not estimated and not self.last_estimated:  # the same executable as the step before
+        if self.chunked:
+            if seconds is not None:
+                self.seconds[choice] = _ema(self.seconds[choice], seconds)
+                self.timed[choice] += 1
+                self.timed_at[choice] = self.steps
+        elif same and not estimated and not self.last_estimated:  # the same executable as the step before
             first = self.timed[choice] == 0  # its first timed step may carry an executable's one-off costs
             self.seconds[choice] = _ema(None if first or self.timed[choice] == 1 else self.seconds[choice], seconds)
             self.timed[choice] += 1
@@ -393,11 +401,11 @@ def decode_chunk(params, dparams, state, num_steps, *, first: dict, rest: dict):
 
 
 class ChunkedAutoDecoder(AutoDecoder):
-    """budget="auto" for generate: a dispatch runs a chunk of one candidate (its estimating step, then its stale
-    steps in a device loop), so the host's sync, policy and dispatch are paid once a chunk, not once a step. A
-    chunk is as long as keeps the host's time between chunks (measured: `host_s`) under CHUNK_HOST_SHARE of the
-    chunk's steps, at most MAX_CHUNK; a candidate under trial runs TRIAL_CHUNK steps. Its estimate is as stale as
-    the chunk is long. The server keeps AutoDecoder: it schedules between single steps."""
+    """budget="auto" for generate: a dispatch runs a chunk of CHUNK_STEPS steps of one candidate (its estimating
+    step, then its stale steps in a device loop), so the host's sync, policy and dispatch are paid once a chunk,
+    not once a step. A trial is one chunk. A chunk cut short (its sequences ended) is not timed: its fixed costs
+    weigh on fewer steps. Its estimate is as stale as the chunk is long. The server keeps AutoDecoder: it
+    schedules between single steps."""
 
     def __init__(self, cfg, dcfg, sc: engine.StepConfig, impls, candidates=CANDIDATES, **kw):
         super().__init__(cfg, dcfg, sc, impls, candidates, estimate_every=2, **kw)  # (estimating, stale) pairs
@@ -422,7 +430,8 @@ class ChunkedAutoDecoder(AutoDecoder):
             n = np.int32(1)
             with concurrent.futures.ThreadPoolExecutor(len(self.chunks)) as pool:
                 exes = list(pool.map(lambda f: f.lower(params, dparams, state, n).compile(), self.chunks))
-            self._prepared[key] = (exes, Policy(self.candidates, explore_every=CHUNK_EXPLORE_EVERY))
+            policy = Policy(self.candidates, explore_every=CHUNK_EXPLORE_EVERY, chunked=True, trial=1)
+            self._prepared[key] = (exes, policy)
         self.executables, self.policy = self._prepared[key]
         self.choice, self._head, self._fetched = self.policy.choose(None, np.ones(C)), None, None
         return self.policy
@@ -432,23 +441,14 @@ class ChunkedAutoDecoder(AutoDecoder):
             state, _ = exe(params, dparams, state, np.int32(1))
         return state
 
-    def chunk_steps(self) -> int | None:
-        """Steps of the next chunk: the fewest that keep the host's time under CHUNK_HOST_SHARE of the chunk; None
-        under trial or before the host's time and the candidate's step are known (it runs TRIAL_CHUNK)."""
-        t = self.policy.seconds[self.choice]
-        if self.policy.trying is not None or self.host_s is None or t is None:
-            return None
-        return int(np.clip(np.ceil(self.host_s / (CHUNK_HOST_SHARE * t)), 1, MAX_CHUNK))
-
     def step(self, params, dparams, state):
         if self.policy is None:
             raise RuntimeError("ChunkedAutoDecoder.step: call prepare(params, dparams, state) first")
-        n = self.chunk_steps()
         started = time.perf_counter()  # before the dispatch: on a GPU it returns only near the chunk's end
         if self._fetched is not None:
             self.host_s = _ema(self.host_s, started - self._fetched)
-        self._dispatched = (self.choice, n, started)
-        state, self._head = self.executables[self.choice](params, dparams, state, np.int32(n or TRIAL_CHUNK))
+        self._dispatched = (self.choice, started)
+        state, self._head = self.executables[self.choice](params, dparams, state, np.int32(CHUNK_STEPS))
         return state
 
     def fields(self, state) -> dict:
@@ -457,13 +457,12 @@ class ChunkedAutoDecoder(AutoDecoder):
 
     def observe(self, host: dict, was_done_C) -> int:
         """host: `fields` of the state after a chunk, on the host; was_done_C: the slots done before it."""
-        choice, n, dispatched = self._dispatched
+        choice, dispatched = self._dispatched
         self._fetched = time.perf_counter()
         ran = max(int(host["step"]) - int(host["head_step"]), 1)
-        if n is not None:  # a sized chunk, not a trial's
-            self._ran = (self._ran + [ran])[-256:]
+        self._ran = (self._ran + [ran])[-256:]
         valid = ~np.asarray(was_done_C, bool) & ~np.asarray(host["head_done"], bool)
-        seconds = (self._fetched - dispatched) / ran
+        seconds = (self._fetched - dispatched) / ran if ran == CHUNK_STEPS else None
         per_step = (np.asarray(host["num_out"]) - np.asarray(host["head_num_out"])) / ran
         live = ~np.asarray(was_done_C, bool) & ~np.asarray(host["done"], bool)
         self.policy.observe(

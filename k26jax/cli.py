@@ -136,7 +136,7 @@ def _generate(args) -> int:
     )
     if "auto" in s:
         a = s["auto"]
-        chunks = f"{a['chunk_steps']} steps a dispatch" if a["chunk_steps"] else "trial chunks only"
+        chunks = f"{a['chunk_steps']} steps a dispatch" if a["chunk_steps"] else "no chunk ran"
         print(
             f"[k26jax] budget auto: steps per candidate {a['choices']}, measured step ms {a['step_ms']}, {chunks}, "
             f"drafter calibration gamma {a['calibration_gamma']:.2f}",

@@ -42,7 +42,7 @@ class Impls:
     moe and attention also take "skip" for benchmark phase ablations: `moe_gemm` then returns x_ND and
     `mla_attention` q_lat, with no kernel, so a step's time can be taken apart phase by phase. probe: a
     k26jax.routing.ExpertProbe that every `moe_gemm` reports its layer's expert ids to (a measurement build).
-    dense_rows: a layer's dense dots of at most this many rows run as `dense_gemm`'s kernel (0: never).
+    dense_rows: a layer's dense dots of at most this many rows run as `dense_gemm`'s kernel (0: never, cuBLAS).
     """
 
     moe: str = "reference"
@@ -65,9 +65,11 @@ class Impls:
 
     @classmethod
     def auto(cls, mesh: Mesh | None = None, expert_mode: str = "ep") -> "Impls":
-        """Pallas kernels on the GPU, plain jnp elsewhere."""
-        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
-        return cls(impl, impl, impl, impl, mesh=mesh, expert_mode=expert_mode)
+        """Pallas kernels on the GPU (dense dots of up to few_row_gemm.MAX_ROWS rows too), plain jnp elsewhere."""
+        gpu = jax.default_backend() == "gpu"
+        impl = "pallas" if gpu else "reference"
+        dense_rows = few_row_gemm.MAX_ROWS if gpu else 0
+        return cls(impl, impl, impl, impl, mesh=mesh, expert_mode=expert_mode, dense_rows=dense_rows)
 
     @property
     def sharded(self) -> bool:
@@ -97,15 +99,19 @@ def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
 
 @dataclasses.dataclass(frozen=True)
 class LayerWeight:
-    """Layer `layer` of the weight stack `stack` [L, ...], as a layer scan hands its dense weights to
-    layers.mm: `dense_gemm` can then read the layer where it lies, which a slice in front of a custom call would
-    copy. `get()` is the slice (what every other dot takes)."""
+    """Layer `layer` of the weight stack `stack` [L, ...], as a layer scan hands its dense weights to layers.mm:
+    `dense_gemm` reads the layer where it lies (a slice in front of a custom call would be copied); every other
+    dot takes `get()`: `sliced`, the scan's own slice of the stack (its offset is the scan's counter, which
+    cuBLAS with dynamic-slice fusion reads in place; an offset read from an array is not), or else a slice."""
 
     stack: jax.Array
     layer: jax.Array | int
     impls: Impls
+    sliced: jax.Array | None = None
 
     def get(self):
+        if self.sliced is not None:
+            return self.sliced
         return jax.lax.dynamic_index_in_dim(self.stack, self.layer, axis=0, keepdims=False)
 
 

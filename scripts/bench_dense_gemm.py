@@ -43,10 +43,11 @@ def scan_fn(layers: int, dense_rows: int, interpret: bool):
     impls = ops.Impls(dense_rows=dense_rows, interpret=interpret)
 
     def run(x_MK, w_LKN):
-        def body(_, layer):
-            return None, L.mm("btk,kn->btn", x_MK[:, None], ops.LayerWeight(w_LKN, layer, impls))[:, 0]
+        def body(_, xs):
+            layer, w_KN = xs  # as the model's scan: the stack's slice by the scan itself, and the layer index
+            return None, L.mm("btk,kn->btn", x_MK[:, None], ops.LayerWeight(w_LKN, layer, impls, w_KN))[:, 0]
 
-        return jax.lax.scan(body, None, jnp.arange(layers, dtype=jnp.int32))[1]
+        return jax.lax.scan(body, None, (jnp.arange(layers, dtype=jnp.int32), w_LKN))[1]
 
     return jax.jit(run, compiler_options=ops.COMPILER_OPTIONS if jax.default_backend() == "gpu" else None)
 

@@ -137,24 +137,25 @@ def test_a_step_reports_the_survival_budget_estimates_from_its_draft():
 
 def test_auto_decoding_emits_ar_tokens_and_reports_its_choices():
     """float32 greedy: whatever candidates the policy runs (three here, the smallest and the largest default
-    budgets among them: three chunk programs), the tokens are AR's, streamed as they come; the second call reuses
-    the compiled chunks and the measured times."""
+    budgets among them: three chunk programs, each tried for a chunk), the tokens are AR's, streamed as they come;
+    the second call reuses the compiled chunks and the measured times."""
     cands = autobudget.parse_candidates("chain,ddtree8,ddtree128")
     jax.config.update("jax_default_matmul_precision", "highest")
     try:
         model = k26jax.load(TINY, dtype="float32")
         prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
-        ar = generate(model, prompts, max_new_tokens=30, method="ar")
+        n = 3 * autobudget.CHUNK_STEPS + 4  # the random tiny pair accepts ~1 token a step: 3 chunks and a bit
+        ar = generate(model, prompts, max_new_tokens=n, method="ar")
         streamed = [[], []]
-        first = generate(model, prompts, max_new_tokens=30, budget="auto", auto_candidates=cands,
+        first = generate(model, prompts, max_new_tokens=n, budget="auto", auto_candidates=cands,
                          on_tokens=lambda i, ids: streamed[i].extend(ids))  # fmt: skip
-        again = generate(model, prompts, max_new_tokens=30, budget="auto", auto_candidates=cands)
+        again = generate(model, prompts, max_new_tokens=n, budget="auto", auto_candidates=cands)
     finally:
         jax.config.update("jax_default_matmul_precision", None)
     assert first.tokens == ar.tokens == again.tokens == streamed  # chunks stream each token once, in order
     a = first.stats["auto"]
     assert first.stats["budget"] == "auto" and sum(a["choices"].values()) == first.stats["steps"]
-    assert all(a["choices"].get(autobudget.label(c), 0) >= 2 for c in cands)  # each tried twice
+    assert all(a["choices"].get(autobudget.label(c), 0) >= autobudget.CHUNK_STEPS for c in cands)  # each tried
     assert set(a["step_ms"]) == {autobudget.label(c) for c in cands} and a["host_ms"] > 0
     assert sum(again.stats["auto"]["choices"].values()) == again.stats["steps"]
     assert again.stats["compile_s"] < first.stats["compile_s"]
@@ -342,20 +343,37 @@ def test_a_chunk_is_its_estimating_step_then_stale_steps_as_single_steps_run_the
         np.testing.assert_array_equal(np.asarray(head[k]), v, err_msg=k)
 
 
-def test_a_chunk_is_as_long_as_keeps_the_host_under_its_share_of_it():
+def test_every_chunk_runs_chunk_steps_and_one_cut_short_is_not_timed():
+    """A trial's chunk is as long as a chosen one's (so every candidate's time a step carries the same share of a
+    chunk's fixed costs), and a chunk that stops early (its sequences ended) is not timed."""
     model = k26jax.load(TINY, dtype="float32")
     sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=8)
     auto = autobudget.ChunkedAutoDecoder(model.cfg, model.drafter_cfg, sc, model.impls, CANDS)
-    auto.policy, auto.choice = autobudget.Policy(CANDS), 1
-    assert auto.chunk_steps() is None  # nothing measured yet: a TRIAL_CHUNK-step chunk
-    auto.policy.seconds[1], auto.host_s = 0.001, 0.0008
-    assert auto.chunk_steps() == 40  # 0.8 ms of host time is 2% of 40 steps of 1 ms
-    auto.host_s = 1.0
-    assert auto.chunk_steps() == autobudget.MAX_CHUNK
-    auto.host_s = 1e-6
-    assert auto.chunk_steps() == 1
-    auto.policy.trying = 0  # a candidate under trial runs short chunks
-    assert auto.chunk_steps() is None
+    auto.policy = autobudget.Policy(CANDS, chunked=True, trial=1, explore_every=0)
+    asked, stop_after = [], {}
+
+    def chunk(params, dparams, state, num_steps):
+        asked.append(int(num_steps))
+        ran = min(int(num_steps), stop_after.get("n", int(num_steps)))
+        head = {"step": state.step, "num_out": state.num_out, "accept": np.ones(1, np.int32), "done": np.zeros(1, bool)}
+        return dataclasses.replace(state, step=state.step + ran, num_out=state.num_out + ran), head
+
+    auto.executables = [chunk] * len(CANDS)
+    fields = ["step", "survival", "done", "num_out", "realised"]
+    state = dataclasses.make_dataclass("State", fields)(
+        0, np.zeros((1, len(CANDS), 7)), np.zeros(1, bool), np.zeros(1), np.zeros((1, len(CANDS)), np.int32)
+    )
+    auto.choice = auto.policy.choose(None, np.ones(1))
+    for _ in range(len(CANDS) + 2):  # every candidate's trial, then chosen chunks
+        state = auto.step(None, None, state)
+        auto.observe(auto.fields(state), np.zeros(1, bool))
+    assert asked == [autobudget.CHUNK_STEPS] * (len(CANDS) + 2)
+    assert min(auto.policy.timed) == 1 and sum(auto.policy.timed) == len(CANDS) + 2
+    timed = sum(auto.policy.timed)
+    stop_after["n"] = 3  # the sequences end 3 steps in
+    state = auto.step(None, None, state)
+    auto.observe(auto.fields(state), np.zeros(1, bool))
+    assert sum(auto.policy.timed) == timed and auto.policy.steps == (len(CANDS) + 2) * autobudget.CHUNK_STEPS + 3
 
 
 def test_a_chunk_is_timed_from_before_its_dispatch_so_one_that_blocks_it_counts_whole():
@@ -365,7 +383,7 @@ def test_a_chunk_is_timed_from_before_its_dispatch_so_one_that_blocks_it_counts_
     model = k26jax.load(TINY, dtype="float32")
     sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=8)
     auto = autobudget.ChunkedAutoDecoder(model.cfg, model.drafter_cfg, sc, model.impls, CANDS)
-    auto.policy, auto.choice = autobudget.Policy(CANDS), 0
+    auto.policy, auto.choice = autobudget.Policy(CANDS, chunked=True, trial=1), 0
 
     def blocking(params, dparams, state, num_steps):
         time.sleep(0.01 * int(num_steps))
@@ -379,7 +397,7 @@ def test_a_chunk_is_timed_from_before_its_dispatch_so_one_that_blocks_it_counts_
     state = dataclasses.make_dataclass("State", fields)(
         0, np.zeros((1, len(CANDS), 7)), np.zeros(1, bool), np.zeros(1), np.zeros((1, len(CANDS)), np.int32)
     )
-    while auto.policy.timed[0] < 2:
+    while auto.policy.timed[0] < 1:
         state = auto.step(None, None, state)
         auto.observe(auto.fields(state), np.zeros(1, bool))
     assert 0.01 <= auto.policy.seconds[0] < 0.5  # the buggy timing read ~1e-5 s

@@ -137,15 +137,15 @@ def run_layers(params, cfg: ModelConfig, x_BTD, attend, impls: ops.Impls, hidden
     for kind, first, count, layer0 in segments(cfg):
         scanned, experts = _split_experts(params[kind])
         xs = {
-            "p": jax.tree.map(lambda a: a[first : first + count] if a.ndim < 3 else None, scanned),
+            "p": jax.tree.map(lambda a: a[first : first + count], scanned),
             "layer": layer0 + jnp.arange(count, dtype=jnp.int32),
             "index": first + jnp.arange(count, dtype=jnp.int32),
         }
 
         def body(carry, xs, kind=kind, experts=experts, scanned=scanned):
             h, feats = carry
-            p = jax.tree.map(  # the weight matrices stay whole: a dot reads its layer in place
-                lambda a, sliced: sliced if a.ndim < 3 else ops.LayerWeight(a, xs["index"], impls),
+            p = jax.tree.map(  # weight matrices: the whole stack too, for a kernel that reads its layer in place
+                lambda a, sliced: sliced if a.ndim < 3 else ops.LayerWeight(a, xs["index"], impls, sliced),
                 scanned,
                 xs["p"],
             )

@@ -31,11 +31,12 @@ def _scan(subscripts, x, w_stack, dense_rows):
     """Each layer's dot of x with its layer of the stack, the way the model's layer scan reads weights."""
     impls = ops.Impls(dense_rows=dense_rows)
 
-    def body(_, layer):
-        return None, L.mm(subscripts, x, ops.LayerWeight(w_stack, layer, impls), out_dtype=jnp.float32)
+    def body(_, xs):
+        layer, w = xs
+        return None, L.mm(subscripts, x, ops.LayerWeight(w_stack, layer, impls, w), out_dtype=jnp.float32)
 
     layers = jnp.arange(w_stack.shape[0], dtype=jnp.int32)
-    f = jax.jit(lambda: jax.lax.scan(body, None, layers)[1], compiler_options=ops.COMPILER_OPTIONS)
+    f = jax.jit(lambda: jax.lax.scan(body, None, (layers, w_stack))[1], compiler_options=ops.COMPILER_OPTIONS)
     return np.asarray(f(), np.float64)
 
 
