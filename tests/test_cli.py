@@ -125,9 +125,7 @@ def test_budget_auto_decodes_and_reports_its_choices_and_chunks():
     r = run_cli("generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "200", "--budget", "auto",
                 "--auto-candidates", "chain,ddtree32")  # fmt: skip
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
-    said = re.search(
-        r"budget auto: steps per candidate \{(.*)\}, measured step ms .*steps a dispatch", r.stderr
-    )
+    said = re.search(r"budget auto: steps per candidate \{(.*)\}, measured step ms .*steps a dispatch", r.stderr)
     assert said and "chain" in said.group(1) and "ddtree32" in said.group(1), r.stderr
 
 
