@@ -41,12 +41,12 @@ def few_row_gemm_reference(x_MK, w, *, layer=None, out_dtype=None):
     return y.astype(out_dtype or x_MK.dtype)
 
 
-def plan(M, K, N):
-    """(rows padded for the dot, block_n, K splits, K blocks a split) for these sizes."""
+def plan(M, K, N, programs=TARGET_PROGRAMS):
+    """(rows padded for the dot, block_n, K splits, K blocks a split) for these sizes: about `programs` programs."""
     rows = max(16, pl.next_power_of_2(M))
     block_n = 64 if N % 128 and N % 64 == 0 else 128
     k_blocks = pl.cdiv(K, BLOCK_K)
-    splits = max(1, min(k_blocks, round(TARGET_PROGRAMS / pl.cdiv(N, block_n))))
+    splits = max(1, min(k_blocks, round(programs / pl.cdiv(N, block_n))))
     steps = pl.cdiv(k_blocks, splits)
     return rows, block_n, pl.cdiv(k_blocks, steps), steps
 
@@ -75,14 +75,14 @@ def _kernel(layer_ref, x_ref, w_ref, part_ref, *, M, K, N, rows, block_n, steps)
     )
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def few_row_gemm(x_MK, w, *, layer=None, out_dtype=None, interpret=False):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "programs", "interpret"))
+def few_row_gemm(x_MK, w, *, layer=None, out_dtype=None, programs=TARGET_PROGRAMS, interpret=False):
     """`few_row_gemm_reference` as one Pallas-Triton kernel over (N blocks, K splits) plus the sum of the splits.
     With `layer` (an integer scalar, may be traced) w is the stack [L, K, N], viewed as [L*K, N] (a free
-    reshape): the kernel reads layer `layer` where it lies."""
+    reshape): the kernel reads layer `layer` where it lies. programs: about how many programs (see `plan`)."""
     _check_args(x_MK, w, layer)
     (M, K), N = x_MK.shape, w.shape[-1]
-    rows, block_n, splits, steps = plan(M, K, N)
+    rows, block_n, splits, steps = plan(M, K, N, programs)
     layer_1 = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     part = pl.pallas_call(
         functools.partial(_kernel, M=M, K=K, N=N, rows=rows, block_n=block_n, steps=steps),

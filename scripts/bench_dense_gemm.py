@@ -6,7 +6,8 @@ shapes of one TP-8 K2.6 layer, against the bytes floor.
 
 Each row times a jitted lax.scan over a stack of --layers bf16 weights (together beyond L2) in which every layer
 multiplies the same x [M, K] through layers.mm and an ops.LayerWeight, as the model's layer scan does: "cublas"
-with Impls.dense_rows = 0 (padded rows, the slice read in place), "kernel" with dense_rows = 64. Time per dot =
+with Impls.dense_rows = 0 (padded rows, the scan's slice read in place), "kernel" with dense_rows = 64, and
+"kernel_p<n>" the kernel planned for about n programs (--programs, a race of the split count). Time per dot =
 the scan's median time / layers. Floor = the weight's bytes / the copy ceiling measured in the same run. Every
 kernel row is first checked against the float64 product (rel_err).
 """
@@ -39,12 +40,14 @@ QUICK = {"a": (256, 96), "b": (96, 384)}
 ROWS = (1, 4, 8, 16, 33, 64)
 
 
-def scan_fn(layers: int, dense_rows: int, interpret: bool):
+def scan_fn(layers: int, dense_rows: int, interpret: bool, programs=None):
     impls = ops.Impls(dense_rows=dense_rows, interpret=interpret)
 
     def run(x_MK, w_LKN):
         def body(_, xs):
             layer, w_KN = xs  # as the model's scan: the stack's slice by the scan itself, and the layer index
+            if programs:
+                return None, few_row_gemm.few_row_gemm(x_MK, w_LKN, layer=layer, programs=programs, interpret=interpret)
             return None, L.mm("btk,kn->btn", x_MK[:, None], ops.LayerWeight(w_LKN, layer, impls, w_KN))[:, 0]
 
         return jax.lax.scan(body, None, (jnp.arange(layers, dtype=jnp.int32), w_LKN))[1]
@@ -57,11 +60,17 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--layers", type=int, default=40, help="weights in a stack (default 40)")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--programs", type=int, nargs="*", default=[], help="also race the kernel planned for ~n programs")
     ap.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU smoke run)")
     harness.add_record_args(ap, "bench/results/dense_gemm.json")
     args = ap.parse_args(argv)
-    if min(args.rows) < 1 or max(args.rows) > few_row_gemm.MAX_ROWS or args.layers < 1:
-        ap.error(f"--rows must be in 1..{few_row_gemm.MAX_ROWS} and --layers >= 1")
+    if (
+        min(args.rows) < 1
+        or max(args.rows) > few_row_gemm.MAX_ROWS
+        or args.layers < 1
+        or min(args.programs, default=1) < 1
+    ):
+        ap.error(f"--rows must be in 1..{few_row_gemm.MAX_ROWS}, --layers and --programs >= 1")
     shapes = QUICK if args.quick else SHAPES
     ceil = harness.measure_ceilings(small=args.quick)
     record = harness.record_header(args.commit, layers=args.layers, ceilings=ceil.record(), rows=[])
@@ -81,6 +90,8 @@ def main(argv=None) -> int:
                 "plan": few_row_gemm.plan(M, K, N),
             }
             fns = {v: scan_fn(args.layers, rows, args.quick) for v, rows in variants.items()}
+            fns |= {f"kernel_p{n}": scan_fn(args.layers, 0, args.quick, n) for n in args.programs}
+            row["plans"] = {n: few_row_gemm.plan(M, K, N, n) for n in args.programs}
             want = np.asarray(x, np.float64) @ np.asarray(w[-1], np.float64)
             for v, fn in fns.items():
                 row[f"{v}_rel_err"] = harness.relative_error(fn(x, w)[-1], want)
@@ -92,12 +103,13 @@ def main(argv=None) -> int:
                 row[f"{v}_us"] = min(row[f"{v}_us"])
                 row[f"{v}_pct_of_floor"] = 100 * row["floor_us"] / row[f"{v}_us"]
             row["kernel_speedup"] = row["cublas_us"] / row["kernel_us"]
+            races = " ".join(f"p{n} {row[f'kernel_p{n}_us']:.2f}" for n in args.programs)
             record["rows"].append(row)
             print(
                 f"[{name} M={M}] floor {row['floor_us']:.2f} us | cuBLAS {row['cublas_us']:.2f} us "
                 f"({row['cublas_pct_of_floor']:.0f}%) | kernel {row['kernel_us']:.2f} us "
                 f"({row['kernel_pct_of_floor']:.0f}%, rel_err {row['kernel_rel_err']:.1e}) "
-                f"| x{row['kernel_speedup']:.2f}",
+                f"| x{row['kernel_speedup']:.2f} {races}",
                 flush=True,
             )
             harness.write_json(record, args.out)

@@ -2,6 +2,8 @@
 sizes (1-64 rows, K and N off the block sizes, a traced layer of a stack), its plan, its cuda lowering (the layer
 read in place), and its argument errors."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,3 +97,21 @@ def test_bad_arguments_name_what_is_wrong(x_shape, w_shape, layer, match):
     for f in (few_row_gemm, few_row_gemm_reference):
         with pytest.raises(ValueError, match=match):
             f(x, w, layer=layer)
+
+
+def test_bench_dense_gemm_quick_run_records_every_variant(import_script, tmp_path):
+    """scripts/bench_dense_gemm.py --quick (interpret mode): each row has cuBLAS, the kernel and each raced plan,
+    its floor, and the kernel within bf16 rounding of the float64 product."""
+    out = tmp_path / "dense.json"
+    bench = import_script("bench_dense_gemm")
+    assert (
+        bench.main(
+            ["--quick", "--rows", "1", "3", "--layers", "2", "--repeats", "1", "--programs", "8", "--out", str(out)]
+        )
+        == 0
+    )
+    record = json.loads(out.read_text())
+    assert len(record["rows"]) == len(bench.QUICK) * 2 and record["ceilings"]["copy_TBps"] > 0
+    for row in record["rows"]:
+        assert {"cublas_us", "kernel_us", "kernel_p8_us", "floor_us"} <= set(row) and row["kernel_rel_err"] < 1e-2
+        assert row["plans"]["8"][2] * -(-row["N"] // row["plans"]["8"][1]) <= 8 * 2  # ~8 programs
