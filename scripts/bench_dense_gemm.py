@@ -40,7 +40,7 @@ QUICK = {"a": (256, 96), "b": (96, 384)}
 ROWS = (1, 4, 8, 16, 33, 64)
 
 
-def scan_fn(layers: int, dense_rows: int, interpret: bool, programs=None):
+def scan_fn(layers: int, dense_rows: int, interpret: bool, programs=None, unroll=1):
     impls = ops.Impls(dense_rows=dense_rows, interpret=interpret)
 
     def run(x_MK, w_LKN):
@@ -50,7 +50,7 @@ def scan_fn(layers: int, dense_rows: int, interpret: bool, programs=None):
                 return None, few_row_gemm.few_row_gemm(x_MK, w_LKN, layer=layer, programs=programs, interpret=interpret)
             return None, L.mm("btk,kn->btn", x_MK[:, None], ops.LayerWeight(w_LKN, layer, impls, w_KN))[:, 0]
 
-        return jax.lax.scan(body, None, (jnp.arange(layers, dtype=jnp.int32), w_LKN))[1]
+        return jax.lax.scan(body, None, (jnp.arange(layers, dtype=jnp.int32), w_LKN), unroll=unroll)[1]
 
     return jax.jit(run, compiler_options=ops.COMPILER_OPTIONS if jax.default_backend() == "gpu" else None)
 
@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--layers", type=int, default=40, help="weights in a stack (default 40)")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--unroll", type=int, default=1, help="layers a scan iteration (amortises the loop's own cost)")
     ap.add_argument("--programs", type=int, nargs="*", default=[], help="also race the kernel planned for ~n programs")
     ap.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU smoke run)")
     harness.add_record_args(ap, "bench/results/dense_gemm.json")
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         ap.error(f"--rows must be in 1..{few_row_gemm.MAX_ROWS}, --layers and --programs >= 1")
     shapes = QUICK if args.quick else SHAPES
     ceil = harness.measure_ceilings(small=args.quick)
-    record = harness.record_header(args.commit, layers=args.layers, ceilings=ceil.record(), rows=[])
+    record = harness.record_header(args.commit, layers=args.layers, unroll=args.unroll, ceilings=ceil.record(), rows=[])
     variants = {"cublas": 0, "kernel": few_row_gemm.MAX_ROWS}
     for name, (K, N) in shapes.items():
         w = jax.random.normal(jax.random.key(K + N), (args.layers, K, N), jnp.float32) / np.sqrt(K)
@@ -89,8 +90,8 @@ def main(argv=None) -> int:
                 "floor_us": 1e6 * floor_s,
                 "plan": few_row_gemm.plan(M, K, N),
             }
-            fns = {v: scan_fn(args.layers, rows, args.quick) for v, rows in variants.items()}
-            fns |= {f"kernel_p{n}": scan_fn(args.layers, 0, args.quick, n) for n in args.programs}
+            fns = {v: scan_fn(args.layers, rows, args.quick, unroll=args.unroll) for v, rows in variants.items()}
+            fns |= {f"kernel_p{n}": scan_fn(args.layers, 0, args.quick, n, args.unroll) for n in args.programs}
             row["plans"] = {n: few_row_gemm.plan(M, K, N, n) for n in args.programs}
             want = np.asarray(x, np.float64) @ np.asarray(w[-1], np.float64)
             for v, fn in fns.items():

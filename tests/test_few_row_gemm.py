@@ -106,7 +106,22 @@ def test_bench_dense_gemm_quick_run_records_every_variant(import_script, tmp_pat
     bench = import_script("bench_dense_gemm")
     assert (
         bench.main(
-            ["--quick", "--rows", "1", "3", "--layers", "2", "--repeats", "1", "--programs", "8", "--out", str(out)]
+            [
+                "--quick",
+                "--rows",
+                "1",
+                "3",
+                "--layers",
+                "2",
+                "--repeats",
+                "1",
+                "--programs",
+                "8",
+                "--unroll",
+                "2",
+                "--out",
+                str(out),
+            ]
         )
         == 0
     )
