@@ -118,10 +118,10 @@ class LayerWeight:
 
 def dense_gemm(x_MK, w_KN: LayerWeight, out_dtype):
     """x [M, K] @ layer `w_KN.layer` of the stack [L, K, N] with fp32 sums, or None where XLA's dot (cuBLAS)
-    should run it: more rows than `Impls.dense_rows`, or a sharded mesh (the kernel is not partitioned).
-    See pallas_kernels/few_row_gemm.py."""
+    should run it: more rows than `Impls.dense_rows`, a sharded mesh (the kernel is not partitioned), or a stack
+    too large for the kernel's offsets. See pallas_kernels/few_row_gemm.py."""
     impls = w_KN.impls
-    if x_MK.shape[0] > impls.dense_rows or impls.sharded:
+    if x_MK.shape[0] > impls.dense_rows or impls.sharded or w_KN.stack.size >= few_row_gemm.MAX_ELEMENTS:
         return None
     with jax.named_scope("dense_gemm"):
         return few_row_gemm.few_row_gemm(

@@ -99,6 +99,21 @@ def test_bad_arguments_name_what_is_wrong(x_shape, w_shape, layer, match):
             f(x, w, layer=layer)
 
 
+def test_a_stack_beyond_int32_offsets_is_refused_and_ops_falls_back(monkeypatch):
+    """Triton's int32 offsets: a stack of 2^31 elements or more would read the wrong rows, so the kernel refuses
+    it by name and ops.dense_gemm leaves it to XLA's dot (checked with the limit lowered)."""
+    import pallas_kernels.few_row_gemm as module
+    from k26jax import ops
+
+    monkeypatch.setattr(module, "MAX_ELEMENTS", 3 * 8 * 4)
+    x, w = jnp.ones((1, 8)), jnp.ones((3, 8, 4))
+    with pytest.raises(ValueError, match="int32 offsets"):
+        few_row_gemm(x, w, layer=0, interpret=True)
+    impls = ops.Impls(dense_rows=8, interpret=True)
+    assert ops.dense_gemm(x, ops.LayerWeight(w, 0, impls), jnp.float32) is None
+    assert ops.dense_gemm(x, ops.LayerWeight(w[:2], 0, impls), jnp.float32).shape == (1, 4)
+
+
 def test_bench_dense_gemm_quick_run_records_every_variant(import_script, tmp_path):
     """scripts/bench_dense_gemm.py --quick (interpret mode): each row has cuBLAS, the kernel and each raced plan,
     its floor, and the kernel within bf16 rounding of the float64 product."""
