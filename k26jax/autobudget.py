@@ -191,7 +191,12 @@ class Policy:
             self.survival, self.known = survival_CnBL, active.copy()
         if self.survival is None:
             self.survival, self.known = np.zeros((len(active), len(self.candidates), 1)), np.zeros(len(active), bool)
-        self.chosen_tau = self.expected_tokens(self.survival, active_C, self.known) / max(active.sum(), 1)
+        # before any estimate there is nothing to choose on, nor to correct against (None: the step's accept
+        # lengths then do not count toward the corrections)
+        told = self.mean is not None or self.known.any()
+        self.chosen_tau = (
+            self.expected_tokens(self.survival, active_C, self.known) / max(active.sum(), 1) if told else None
+        )
         if self.trying is not None and self.timed[self.trying] < self.trial_until:
             return self.trying
         self.trying = None
@@ -203,7 +208,7 @@ class Policy:
             self.trying = untimed[0] if untimed else int(np.argmin(self.timed_at))
             self.trial_until = self.timed[self.trying] + self.trial
             return self.trying
-        tokens = self.chosen_tau * self.corrections() * active.sum()
+        tokens = (1.0 if self.chosen_tau is None else self.chosen_tau) * self.corrections() * active.sum()
         seconds = np.asarray(self.seconds, np.float64)
         best = budget.choose_budget_host(tokens[None], seconds)
         if self.last is None or best == self.last:

@@ -403,6 +403,45 @@ def test_a_chunk_is_timed_from_before_its_dispatch_so_one_that_blocks_it_counts_
     assert 0.01 <= auto.policy.seconds[0] < 0.5  # the buggy timing read ~1e-5 s
 
 
+def test_chunked_auto_times_candidates_alike_and_picks_the_best_rate():
+    """A simulated GPU: a chunk costs a fixed 3 ms (dispatch, the loop's end, the fetch) plus its steps; each
+    candidate's step time and accept length are fixed (tau over step time: the middle one is best by 20%). Every
+    candidate's measured time a step carries the same share of the fixed cost, so the policy picks the best rate.
+    (With 2-step trial chunks against long chosen ones, as before 5bc75aa, the first choice looked cheapest.)"""
+    model = k26jax.load(TINY, dtype="float32")
+    sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=8)
+    cands = (("chain", 7), ("ddtree", 32), ("ddtree", 128))
+    step_s, tau, fixed_s = (0.00085, 0.0010, 0.0014), (2.4, 3.4, 3.7), 0.003
+    auto = autobudget.ChunkedAutoDecoder(model.cfg, model.drafter_cfg, sc, model.impls, cands)
+    auto.policy = autobudget.Policy(cands, chunked=True, trial=1, explore_every=0)
+    survival = np.repeat(((np.array(tau) - 1) / 7)[None, :, None], 7, axis=2)  # E[tau] = tau: a calibrated drafter
+
+    def chunk_of(c):
+        def chunk(params, dparams, state, num_steps):
+            time.sleep(fixed_s + int(num_steps) * step_s[c])
+            n = int(num_steps)
+            head = {"step": state.step, "num_out": state.num_out, "accept": np.full(1, round(tau[c])), "done": [False]}
+            return dataclasses.replace(state, step=state.step + n, num_out=state.num_out + n * tau[c]), head
+
+        return chunk
+
+    auto.executables = [chunk_of(c) for c in range(len(cands))]
+    fields = ["step", "survival", "done", "num_out", "realised"]
+    state = dataclasses.make_dataclass("State", fields)(
+        0, survival, np.zeros(1, bool), np.zeros(1), np.zeros((1, len(cands)), np.int32)
+    )
+    auto.choice = auto.policy.choose(None, np.ones(1))
+    chosen = []
+    for _ in range(len(cands) + 3):  # the trials, then three chosen chunks
+        chosen.append(auto.choice)
+        state = auto.step(None, None, state)
+        auto.observe(auto.fields(state), np.zeros(1, bool))
+    assert chosen[len(cands) :] == [1, 1, 1], (chosen, auto.policy.stats())
+    want = np.array(step_s) + fixed_s / autobudget.CHUNK_STEPS
+    got = np.array(auto.policy.seconds)
+    np.testing.assert_allclose(got / got[1], want / want[1], rtol=0.1)  # alike: ratios, not absolute sleeps
+
+
 def test_chunks_of_steps_count_as_steps_and_each_explore_period_retries_once():
     """observe(steps=n): a chunk counts n steps, and a switch chunk's extra a step counts n times (once a switch);
     when chunks jump past an explore_every boundary (not onto its last step, as single steps do), the stalest
