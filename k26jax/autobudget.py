@@ -408,9 +408,9 @@ def decode_chunk(params, dparams, state, num_steps, *, first: dict, rest: dict):
 class ChunkedAutoDecoder(AutoDecoder):
     """budget="auto" for generate: a dispatch runs a chunk of CHUNK_STEPS steps of one candidate (its estimating
     step, then its stale steps in a device loop), so the host's sync, policy and dispatch are paid once a chunk,
-    not once a step. A trial is one chunk. A chunk cut short (its sequences ended) is not timed: its fixed costs
-    weigh on fewer steps. Its estimate is as stale as the chunk is long. The server keeps AutoDecoder: it
-    schedules between single steps."""
+    not once a step. A trial is one chunk. A chunk cut short (its sequences ended) is timed only for a candidate
+    not yet timed: its fixed costs weigh on fewer steps. Its estimate is as stale as the chunk is long. The
+    server keeps AutoDecoder: it schedules between single steps."""
 
     def __init__(self, cfg, dcfg, sc: engine.StepConfig, impls, candidates=CANDIDATES, **kw):
         super().__init__(cfg, dcfg, sc, impls, candidates, estimate_every=2, **kw)  # (estimating, stale) pairs
@@ -467,7 +467,10 @@ class ChunkedAutoDecoder(AutoDecoder):
         ran = max(int(host["step"]) - int(host["head_step"]), 1)
         self._ran = (self._ran + [ran])[-256:]
         valid = ~np.asarray(was_done_C, bool) & ~np.asarray(host["head_done"], bool)
-        seconds = (self._fetched - dispatched) / ran if ran == CHUNK_STEPS else None
+        # a chunk cut short carries its fixed costs on fewer steps: timed only while its candidate has no time yet
+        # (so that generations shorter than a chunk still try every candidate)
+        full = ran == CHUNK_STEPS or self.policy.timed[choice] == 0
+        seconds = (self._fetched - dispatched) / ran if full else None
         per_step = (np.asarray(host["num_out"]) - np.asarray(host["head_num_out"])) / ran
         live = ~np.asarray(was_done_C, bool) & ~np.asarray(host["done"], bool)
         self.policy.observe(

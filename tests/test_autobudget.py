@@ -345,7 +345,8 @@ def test_a_chunk_is_its_estimating_step_then_stale_steps_as_single_steps_run_the
 
 def test_every_chunk_runs_chunk_steps_and_one_cut_short_is_not_timed():
     """A trial's chunk is as long as a chosen one's (so every candidate's time a step carries the same share of a
-    chunk's fixed costs), and a chunk that stops early (its sequences ended) is not timed."""
+    chunk's fixed costs), and a chunk that stops early (its sequences ended) is not timed, unless its candidate
+    has no time yet (generations shorter than a chunk still try every candidate)."""
     model = k26jax.load(TINY, dtype="float32")
     sc = engine.StepConfig(method="ddtree", budget=8, max_new_tokens=8)
     auto = autobudget.ChunkedAutoDecoder(model.cfg, model.drafter_cfg, sc, model.impls, CANDS)
@@ -374,6 +375,12 @@ def test_every_chunk_runs_chunk_steps_and_one_cut_short_is_not_timed():
     state = auto.step(None, None, state)
     auto.observe(auto.fields(state), np.zeros(1, bool))
     assert sum(auto.policy.timed) == timed and auto.policy.steps == (len(CANDS) + 2) * autobudget.CHUNK_STEPS + 3
+    fresh = autobudget.Policy(CANDS, chunked=True, trial=1, explore_every=0)
+    auto.policy, auto.choice = fresh, fresh.choose(None, np.ones(1))
+    for _ in range(len(CANDS)):  # every chunk cut short: each candidate is still timed once, then tried no more
+        state = auto.step(None, None, state)
+        auto.observe(auto.fields(state), np.zeros(1, bool))
+    assert fresh.timed == [1] * len(CANDS) and fresh.trying is None
 
 
 def test_a_chunk_is_timed_from_before_its_dispatch_so_one_that_blocks_it_counts_whole():
