@@ -65,12 +65,14 @@ def chain_survival(logq_CLK):
 
 
 class Candidates(NamedTuple):
-    """What `candidate_taus` returns: per-candidate E[tau] [C, nB], survival S [C, nB, L] and the tree of the
-    largest budget (tokens, depths, parents, num_nodes), whose prefixes are the smaller budgets' trees."""
+    """What `candidate_taus` returns: per-candidate E[tau] [C, nB], survival S [C, nB, L], the tree of the
+    largest budget (tokens, depths, parents, num_nodes), whose prefixes are the smaller budgets' trees, and the
+    draft's most likely token per depth [C, L] (the chain's)."""
 
     tau: jax.Array
     survival: jax.Array
     tree: tuple
+    top1: jax.Array
 
 
 def candidate_taus(draft_logits_CLV, candidates=CANDIDATES, *, impls: ops.Impls, calibration=None) -> Candidates:
@@ -87,7 +89,7 @@ def candidate_taus(draft_logits_CLV, candidates=CANDIDATES, *, impls: ops.Impls,
     s = jnp.where(is_chain, chain_survival(logq)[:, None], s)
     s = jnp.where(jnp.asarray([m == "ar" for m, _ in candidates])[None, :, None], 0.0, s)
     g = calibration or Calibration()
-    return Candidates(1 + g(s).sum(-1), s, tree)
+    return Candidates(1 + g(s).sum(-1), s, tree, ids[..., 0])
 
 
 def prefix_tree(tree, budget: int):

@@ -424,7 +424,8 @@ class TreeAccept:
 # ---- one step --------------------------------------------------------------------------------------------
 def build_tree(draft_logits_CLV, *, sc: StepConfig, impls: ops.Impls):
     """((tokens [C,B], depths [C,B], parents [C,B+1], num_nodes [C]) for the step's method, survival [C, nB, L]
-    of sc.estimate's candidates (nB = 0 without; None with sc.estimate_stale)."""
+    of sc.estimate's candidates (nB = 0 without; None with sc.estimate_stale), the draft's top-1 token per depth
+    [C, L] (from the top-K the build takes anyway))."""
     C, L, V = draft_logits_CLV.shape
     B = sc.tree_size
     survival = None if sc.estimate_stale else jnp.zeros((C, 0, L), jnp.float32)
@@ -432,17 +433,18 @@ def build_tree(draft_logits_CLV, *, sc: StepConfig, impls: ops.Impls):
         est = budget.candidate_taus(draft_logits_CLV, sc.estimate, impls=impls)
         survival = est.survival
         if sc.method == "ddtree" and B <= est.tree[0].shape[1]:
-            return budget.prefix_tree(est.tree, B), survival
+            return budget.prefix_tree(est.tree, B), survival, est.top1
     logq, ids = ops.draft_topk(draft_logits_CLV, 1 if sc.method == "chain" else min(B, V))
     budgets = jnp.full((C,), B, jnp.int32)
-    return ops.tree_build(logq, ids, budgets, max_budget=B, impls=impls), survival
+    return ops.tree_build(logq, ids, budgets, max_budget=B, impls=impls), survival, ids[..., 0]
 
 
-def counterfactual_accept(draft_CLV, path_CP, accept_len_C, emitted_CP, *, sc: StepConfig):
+def counterfactual_accept(top1_CL, path_CP, accept_len_C, emitted_CP, *, sc: StepConfig):
     """[C, nB]: the accept length each sc.estimate candidate's tree would have had at this step, where this step's
     tree tells it, else 0. A DDTree candidate of budget b <= this step's takes the accepted path while its nodes rank
     below b (a smaller best-first tree is a prefix of a larger one: exact); the chain takes it while each depth's
-    target token (the accepted tokens, then the bonus) is the draft's top-1 there (a lower bound when all are)."""
+    target token (the accepted tokens, then the bonus) is the draft's top-1 there, top1_CL (a lower bound when all
+    are)."""
     C, P = path_CP.shape
     depth = jnp.arange(1, P)[None]  # [1, L]
     cols = []
@@ -453,8 +455,7 @@ def counterfactual_accept(draft_CLV, path_CP, accept_len_C, emitted_CP, *, sc: S
             inside = (depth < accept_len_C[:, None]) & (path_CP[:, 1:] <= b)
             col = 1 + jnp.cumprod(inside, axis=1).sum(1)
         elif method == "chain" and sc.method == "ddtree":
-            top1 = jnp.argmax(draft_CLV, axis=-1)  # [C, L]
-            match = (depth <= accept_len_C[:, None]) & (emitted_CP[:, : P - 1] == top1)
+            match = (depth <= accept_len_C[:, None]) & (emitted_CP[:, : P - 1] == top1_CL)
             col = 1 + jnp.cumprod(match, axis=1).sum(1)
         else:
             col = jnp.zeros(C, jnp.int32)
@@ -486,7 +487,7 @@ def step(
         with jax.named_scope("draft"):
             draft_CLV = drafter.propose(params, dparams, state, cfg=cfg, dcfg=dcfg, sc=sc)
         with jax.named_scope("tree_build"):
-            (tokens, depths, parents, num_nodes), survival = build_tree(draft_CLV, sc=sc, impls=impls)
+            (tokens, depths, parents, num_nodes), survival, top1 = build_tree(draft_CLV, sc=sc, impls=impls)
     with jax.named_scope("verify"):
         ids = jnp.concatenate([state.root[:, None], jnp.maximum(tokens, 0)], axis=1)  # [C, B+1]
         positions = state.cache.lengths[:, None] + jnp.concatenate(
@@ -510,7 +511,7 @@ def step(
         )
         state = state if survival is None else state.replace(survival=survival)
         if sc.estimate:
-            realised = counterfactual_accept(draft_CLV, path, accept_len, state.emitted, sc=sc)
+            realised = counterfactual_accept(top1, path, accept_len, state.emitted, sc=sc)
             state = state.replace(realised=realised)
     if not sc.logprobs:
         return state

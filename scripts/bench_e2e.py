@@ -314,7 +314,7 @@ def _with_sharding(tree, shardings):
 
 
 def _build_with_visibility(draft_logits, sc, impls):
-    (tokens, depths, parents, num_nodes), _ = engine.build_tree(draft_logits, sc=sc, impls=impls)
+    (tokens, depths, parents, num_nodes), _, _ = engine.build_tree(draft_logits, sc=sc, impls=impls)
     return tokens, depths, num_nodes, ops.visibility_from_parents(parents, max_depth=sc.depth)
 
 

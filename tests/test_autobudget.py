@@ -128,11 +128,13 @@ def test_a_step_reports_the_survival_budget_estimates_from_its_draft():
     np.testing.assert_array_equal(np.asarray(kept.survival), before)  # not rebuilt
     assert not np.array_equal(np.asarray(after.survival), before)
     # the stale step builds its own B = 8 tree; the estimating one verifies the B = 128 build's prefix: equal
-    own, none = engine.build_tree(logits, sc=stale.sc, impls=model.impls)
-    prefix, _ = engine.build_tree(logits, sc=sc, impls=model.impls)
+    own, none, own_top1 = engine.build_tree(logits, sc=stale.sc, impls=model.impls)
+    prefix, _, top1 = engine.build_tree(logits, sc=sc, impls=model.impls)
     assert none is None and int(own[3].min()) == 8
     for a, b in zip(own, prefix):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for t in (own_top1, top1):  # the draft's top-1 per depth, from either build's top-K
+        np.testing.assert_array_equal(np.asarray(t), np.argmax(np.asarray(logits), axis=-1))
 
 
 def test_auto_decoding_emits_ar_tokens_and_reports_its_choices():

@@ -108,7 +108,7 @@ def simulate(step, *, sc, C, profile, temperature=1.0):
     state = FakeState(step, jnp.zeros(C, jnp.int32))
     cfg = preset("tiny")
     logits = draft.propose(None, None, state, cfg=cfg, dcfg=None, sc=sc)
-    (tokens, depths, parents, num_nodes), _ = engine.build_tree(logits, sc=sc, impls=IMPLS)
+    (tokens, depths, parents, num_nodes), _, _ = engine.build_tree(logits, sc=sc, impls=IMPLS)
     post = jnp.full(parents.shape, -5, jnp.int32)  # the "real target" never matches: depth-L nodes end the walk
     path, accept_len, bonus = accept.accept(tokens, parents, post, num_nodes, state, sc=sc, impls=IMPLS)
     return logits, (tokens, depths, parents, num_nodes), (path, accept_len, bonus), accept.target_tokens(state, C, L)
