@@ -21,8 +21,7 @@ The server's `AutoDecoder` steps one at a time (it schedules between steps). gen
 runs a chunk a dispatch: one candidate's estimating step, then its stale steps in a device loop, CHUNK_STEPS in
 all. At k26-mini's sub-millisecond steps the host's sync, policy and dispatch (0.5-0.7 ms on an H100 host) were
 half of each single step. Every chunk, a trial's too, is that long, so each candidate's time a step carries the
-same share of the chunk's fixed costs (timing 2-step trial chunks against 16-step chosen ones read the others
-up to 2x slow on the mini pair, and auto stuck to whichever it ran first).
+same share of the chunk's fixed costs (chunks of other lengths would make the shorter-run candidates look slow).
 
 Calibration: each estimating step's predicted S_a of the tree it verified is paired with whether that slot's
 accept length reached a + 1; every `refit_every` estimates `budget.calibrate` refits g(S) = S^gamma over the pairs

@@ -101,9 +101,9 @@ def moe_gemm(x_ND, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_
 class LayerWeight:
     """Layer `layer` of the weight stack `stack` [L, ...], as a layer scan hands its dense weights to layers.mm:
     `dense_gemm` reads the layer where it lies (a slice in front of a custom call would be copied); every other
-    dot takes `get()`: `sliced`, the scan's own slice of the stack (offset by the scan's counter, as cuBLAS's
-    dynamic-slice fusion reads in place; slicing at `layer`, an offset read from an array, made the depth-20 AR
-    step 17% slower on an H100), or else a slice at `layer`."""
+    dot takes `get()`: `sliced`, the scan's own slice of the stack (offset by the scan's counter, the form that
+    cuBLAS's dynamic-slice fusion reads in place; a slice at `layer`, read from an array, is slower), or else a
+    slice at `layer`."""
 
     stack: jax.Array
     layer: jax.Array | int
